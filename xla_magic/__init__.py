@@ -1,0 +1,42 @@
+"""xla_magic: run notebook cells on every TPU core, with the kernel XLA-free.
+
+``%load_ext xla_magic`` registers the magics. This module and everything it
+imports run in the kernel and never import torch_xla.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from xla_magic.kernel_strategy import strategy
+
+__all__ = ["strategy", "load_ipython_extension", "unload_ipython_extension"]
+__version__ = "0.1.0"
+
+_MAGIC_NAMES = {"cell": ("xla_spawn",), "line": ("xla_status", "xla_pool")}
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from xla_magic.magics import XlaMagics
+    from xla_magic.session import Session
+
+    if getattr(ipython, "_xla_magic_session", None) is not None:
+        return
+    session = Session()
+    ipython.register_magics(XlaMagics(ipython, session))
+    ipython._xla_magic_session = session
+    if os.environ.get("XLA_MAGIC_PREWARM", "1") != "0":
+        session.ensure_launcher()  # imports torch_xla while the user types
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    session = getattr(ipython, "_xla_magic_session", None)
+    if session is None:
+        return
+    magics = ipython.magics_manager.magics
+    for kind, names in _MAGIC_NAMES.items():
+        for name in names:
+            magics[kind].pop(name, None)
+    session.close()
+    ipython._xla_magic_session = None

@@ -1,0 +1,237 @@
+"""Tagged rank output and rank errors, as the kernel shows them. Runs in the kernel.
+
+Every line a rank writes is shown as ``[rank N] line``; stderr lines go to
+the cell's stderr with the tag in red. A ``\\r`` rewrites the rank's current
+line (progress bars), so only a line's final state is printed; in a notebook
+the line in progress is shown live in a small per-rank display area.
+
+When a run prints more than a notebook can bear, the rest of each rank's
+lines goes to a log file per rank (which also holds the lines shown), and the
+cell says where.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable
+
+RED = "\x1b[31m"
+RESET = "\x1b[0m"
+DEFAULT_LINES_PER_RANK = 1000
+
+
+def tag(rank: int, stream: str) -> str:
+    if stream == "stderr":
+        return f"{RED}[rank {rank}]{RESET} "
+    return f"[rank {rank}] "
+
+
+def settle_carriage_returns(line: str) -> str:
+    """What a terminal would show for a line containing ``\\r`` rewrites."""
+    line = line.rstrip("\r")
+    cut = line.rfind("\r")
+    return line if cut < 0 else line[cut + 1 :]
+
+
+@dataclass
+class _RankStream:
+    rank: int
+    stream: str
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
+    partial: str = ""
+    shown: int = 0
+    held: list[str] = field(default_factory=list)
+    log: IO[str] | None = None
+
+
+class TaggedOutput:
+    """Renders the byte streams of all ranks of one run, line by line."""
+
+    def __init__(
+        self,
+        lines_per_rank: int = DEFAULT_LINES_PER_RANK,
+        log_dir: Callable[[], str] | None = None,
+        on_line: Callable[[int, str, str], None] | None = None,
+        live: Callable[[int, str], None] | None = None,
+    ) -> None:
+        self.lines_per_rank = lines_per_rank
+        self._log_dir = log_dir or (lambda: tempfile.mkdtemp(prefix="xla_magic-logs-"))
+        self._dir: str | None = None
+        self._streams: dict[tuple[int, str], _RankStream] = {}
+        self._on_line = on_line
+        self._live = live
+        self.lines = 0
+
+    def feed(self, rank: int, stream: str, data: bytes) -> None:
+        state = self._streams.get((rank, stream))
+        if state is None:
+            state = self._streams[(rank, stream)] = _RankStream(rank, stream)
+        text = state.partial + state.decoder.decode(data)
+        if "\n" not in text:
+            state.partial = text
+            self._update_live(state)
+            return
+        *complete, state.partial = text.split("\n")
+        self._emit(state, complete)
+        self._update_live(state)
+
+    def finish(self) -> list[str]:
+        """Flush lines still being written; the paths of any folded logs."""
+        paths = []
+        for state in self._streams.values():
+            state.partial += state.decoder.decode(b"", final=True)
+            if state.partial:
+                self._emit(state, [state.partial])
+                state.partial = ""
+            if state.log is not None:
+                state.log.close()
+                paths.append(state.log.name)
+        return sorted(paths)
+
+    # -- internals ---------------------------------------------------------
+
+    def _emit(self, state: _RankStream, lines: list[str]) -> None:
+        if any("\r" in line for line in lines):
+            lines = [settle_carriage_returns(line) for line in lines]
+        self.lines += len(lines)
+        if self._on_line is not None:
+            self._on_line(state.rank, state.stream, lines[-1])
+        room = self.lines_per_rank - state.shown
+        shown, folded = lines[:room], lines[max(room, 0) :]
+        if shown:
+            state.shown += len(shown)
+            if state.log is None:
+                state.held.extend(shown)
+            self._write(state, shown)
+        if folded:
+            self._fold(state, folded)
+
+    def _write(self, state: _RankStream, lines: list[str]) -> None:
+        prefix = tag(state.rank, state.stream)
+        out = sys.stderr if state.stream == "stderr" else sys.stdout
+        out.write(prefix + ("\n" + prefix).join(lines) + "\n")
+
+    def _fold(self, state: _RankStream, lines: list[str]) -> None:
+        if state.log is None:
+            if self._dir is None:
+                self._dir = self._log_dir()
+            path = os.path.join(self._dir, f"rank{state.rank}.{state.stream}.log")
+            state.log = open(path, "w", encoding="utf-8")
+            state.log.write("\n".join(state.held) + "\n")
+            state.held = []
+            out = sys.stderr if state.stream == "stderr" else sys.stdout
+            out.write(
+                f"{tag(state.rank, state.stream)}... more {state.stream} than a notebook can "
+                f"show; every line goes to {path}\n"
+            )
+        state.log.write("\n".join(lines) + "\n")
+
+    def _update_live(self, state: _RankStream) -> None:
+        if self._live is not None and "\r" in state.partial:
+            self._live(state.rank, settle_carriage_returns(state.partial))
+
+
+class LiveLines:
+    """Per-rank display areas for lines rewritten with ``\\r`` (notebooks only)."""
+
+    def __init__(self, min_interval: float = 0.1) -> None:
+        self._handles: dict[int, object] = {}
+        self._last: dict[int, float] = {}
+        self._min_interval = min_interval
+
+    def __call__(self, rank: int, text: str) -> None:
+        from IPython.display import display
+
+        now = time.monotonic()
+        if now - self._last.get(rank, 0.0) < self._min_interval:
+            return
+        self._last[rank] = now
+        shown = {"text/plain": f"[rank {rank}] {text}"}
+        handle = self._handles.get(rank)
+        if handle is None:
+            self._handles[rank] = display(shown, raw=True, display_id=True)
+        else:
+            handle.update(shown, raw=True)
+
+    def clear(self) -> None:
+        for handle in self._handles.values():
+            handle.update({"text/plain": ""}, raw=True)
+        self._handles.clear()
+
+
+# --- errors from ranks ------------------------------------------------------
+
+
+class RemoteTraceback(Exception):
+    """A rank's traceback as text; the ``__cause__`` of a RankError."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    type: str
+    message: str
+    traceback: str = ""
+    exit_code: int | None = None
+
+    def headline(self) -> str:
+        return f"{self.type}: {self.message}" if self.message else self.type
+
+
+class RankError(Exception):
+    """One or more ranks failed. ``results`` holds what the healthy ranks returned."""
+
+    SHOW_SAME = 1  # how many identical failures to show in full
+
+    def __init__(self, failures: list[RankFailure], results: dict[int, object], summary: str = "") -> None:
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        self.results = results
+        self.summary = summary
+        ranks = ", ".join(str(f.rank) for f in self.failures)
+        first = self.failures[0].headline() if self.failures else summary
+        super().__init__(f"{summary or 'rank(s) ' + ranks + ' failed'}: {first}")
+        if self.failures and self.failures[0].traceback:
+            self.__cause__ = RemoteTraceback(self.failures[0].traceback)
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+    def render_lines(self) -> list[str]:
+        lines = [f"{RED}{type(self).__name__}{RESET}: {self.summary or 'ranks failed'}"]
+        groups: dict[tuple[str, str], list[RankFailure]] = {}
+        for failure in self.failures:
+            groups.setdefault((failure.type, failure.message), []).append(failure)
+        for same in groups.values():
+            for failure in same[: self.SHOW_SAME]:
+                prefix = tag(failure.rank, "stderr")
+                body = failure.traceback.rstrip("\n") or failure.headline()
+                lines.extend(prefix + line for line in body.splitlines())
+            if len(same) > self.SHOW_SAME:
+                others = ", ".join(str(f.rank) for f in same[self.SHOW_SAME :])
+                lines.append(f"... ranks {others} failed the same way ({same[0].headline()})")
+        return lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.render_lines()
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run was interrupted (stop button) and its ranks were stopped."""
+
+    def __init__(self, message: str, results: dict[int, object] | None = None) -> None:
+        super().__init__(message)
+        self.results = results or {}
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{RED}RunInterrupted{RESET}: {self.args[0]}"]

@@ -1,0 +1,97 @@
+"""The launcher: ``python -m xla_magic.launcher --fd N``. A zygote process.
+
+Started by the kernel with one end of a private socket pair on fd N. It
+imports torch and torch_xla once (the 5-7 s a cell should not pay again),
+never initialises an XLA runtime, and forks one supervisor per job. It exits
+when the kernel closes the socket, and dies with the kernel (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from xla_magic import protocol
+from xla_magic.launcher import lifetime
+
+MAX_FDS = 253  # SCM_RIGHTS limit on Linux
+
+
+def import_runtime() -> dict[str, str]:
+    """Import what every rank needs, without touching any device."""
+    import torch
+    import torch.distributed  # noqa: F401
+    import torch_xla
+    import torch_xla.core.xla_model  # noqa: F401
+    import torch_xla.distributed.parallel_loader  # noqa: F401
+    import torch_xla.distributed.xla_multiprocessing  # noqa: F401
+    import torch_xla.runtime  # noqa: F401
+
+    import xla_magic.launcher.backends  # noqa: F401
+
+    return {"torch": torch.__version__, "torch_xla": torch_xla.__version__}
+
+
+def serve(channel: protocol.Channel) -> None:
+    while True:
+        event, fds = channel.recv_with_fds(MAX_FDS)
+        if event.kind in (protocol.CLOSED, protocol.STOP, protocol.BROKEN):
+            for fd in fds:
+                os.close(fd)
+            return
+        if event.kind != protocol.JOB:
+            for fd in fds:
+                os.close(fd)
+            continue
+        from xla_magic.launcher import backends
+
+        pid = os.fork()
+        if pid == 0:
+            channel.sock.close()
+            backends.supervise(event.fields, fds)
+        for fd in fds:
+            os.close(fd)
+        channel.send(protocol.STARTED, run_id=event.fields["run_id"], pid=pid)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m xla_magic.launcher")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the kernel")
+    args = parser.parse_args(argv)
+
+    lifetime.die_with_parent()
+    # Interrupts are for the ranks; the kernel decides what reaches them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Supervisors are reaped by the system; we never wait for them.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    channel = protocol.Channel(socket.socket(fileno=args.fd))
+    started = time.monotonic()
+    try:
+        versions = import_runtime()
+    except BaseException as exc:
+        channel.send(
+            protocol.FATAL,
+            message=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc(),
+            python=sys.executable,
+        )
+        sys.exit(1)
+    channel.send(
+        protocol.READY,
+        pid=os.getpid(),
+        python=sys.executable,
+        python_version=platform.python_version(),
+        import_seconds=time.monotonic() - started,
+        **versions,
+    )
+    serve(channel)
+
+
+if __name__ == "__main__":
+    main()

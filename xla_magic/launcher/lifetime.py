@@ -1,0 +1,39 @@
+"""Process lifetime helpers for the launcher, supervisors and ranks (Linux)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent exits.
+
+    Closes the race where the parent died before the call: then exit now.
+    """
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: pipe EOF still ends us
+        return
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+def flush_c_stdio() -> None:
+    """Flush C stdio buffers so printf output reaches fd 1 before we exit."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_code(status: int) -> int:
+    """A wait status as an exit code, or minus the signal that ended it."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)

@@ -1,0 +1,188 @@
+"""Run one cell in one rank and report what happened. Runs in a rank.
+
+A rank may be a process of its own (cpu backend, TPU v4 and later) or one of
+several threads in a process (the tpu launch path on v2/v3 and on CPU
+threads); nothing here assumes it owns the process.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import os
+import pickle
+import socket
+import time
+import traceback
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cloudpickle
+
+from xla_magic import protocol
+from xla_magic.launcher import capture
+
+
+@dataclass
+class RankSockets:
+    events: socket.socket
+    out: socket.socket
+    err: socket.socket
+
+    def all(self) -> list[socket.socket]:
+        return [self.events, self.out, self.err]
+
+
+@dataclass
+class CellJob:
+    run_id: int
+    source: str
+    filename: str
+    has_result: bool
+    namespace: bytes
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """cloudpickle that moves XLA tensors to the CPU as it meets them."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+def dump_result(value: Any) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def register_source(job: CellJob) -> None:
+    """Let tracebacks show the cell's own lines."""
+    lines = job.source.splitlines(keepends=True)
+    linecache.cache[job.filename] = (len(job.source), None, lines, job.filename)
+
+
+def bind_rank_names(namespace: dict[str, Any], rank_names: dict[str, Any]) -> None:
+    """Give notebook functions that were shipped by value the rank's names too.
+
+    cloudpickle rebuilds each function with a small globals dict of its own;
+    adding ``rank``, ``device`` ... there lets a notebook helper use them just
+    like code written in the cell.
+    """
+    seen: set[int] = set()
+    for value in list(namespace.values()):
+        functions: list[types.FunctionType] = []
+        if isinstance(value, types.FunctionType):
+            functions.append(value)
+        elif isinstance(value, type):
+            functions.extend(v for v in vars(value).values() if isinstance(v, types.FunctionType))
+        for function in functions:
+            globals_dict = function.__globals__
+            if id(globals_dict) in seen or globals_dict is vars(builtins):
+                continue
+            if function.__module__ in ("__main__", None):
+                seen.add(id(globals_dict))
+                for name, rank_value in rank_names.items():
+                    globals_dict.setdefault(name, rank_value)
+
+
+def run_cell(job: CellJob, namespace: dict[str, Any]) -> Any:
+    """Execute the cell in ``namespace``; the value of its last expression."""
+    tree = ast.parse(job.source, filename=job.filename)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, job.filename, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(last, job.filename, "eval"), namespace)
+
+
+def format_error(exc: BaseException, filename: str) -> str:
+    """The traceback from the first frame of the cell on, like IPython's."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    if tb is None:
+        tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def report_error(channel: protocol.Channel, exc: BaseException, filename: str) -> None:
+    channel.send(
+        protocol.ERROR,
+        type=type(exc).__name__,
+        message=str(exc),
+        traceback=format_error(exc, filename),
+    )
+
+
+def execute(
+    rank: int,
+    sockets: RankSockets,
+    job: CellJob,
+    setup: Callable[[], dict[str, Any]],
+    closing: Callable[[], None] = lambda: None,
+) -> bool:
+    """The whole life of a rank for one cell; True when the cell succeeded.
+
+    ``setup`` connects the rank to its device and peers and returns the
+    names every rank provides (``rank``, ``world_size``, ``device``,
+    ``strategy``); ``closing`` is the rendezvous ranks leave through.
+    """
+    streams = capture.RankStreams(rank, sockets.out, sockets.err)
+    capture.attach(streams)
+    channel = protocol.Channel(sockets.events)
+    started = time.monotonic()
+    ok = False
+    try:
+        channel.send(protocol.STATUS, state="starting", pid=os.getpid())
+        register_source(job)
+        try:
+            rank_names = setup()
+            namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+            namespace.update(pickle.loads(job.namespace))
+            namespace.update(rank_names)
+            bind_rank_names(namespace, rank_names)
+            channel.send(protocol.STATUS, state="running")
+            value = run_cell(job, namespace)
+            closing()
+        except BaseException as exc:  # the user's code may raise anything at all
+            streams.flush()
+            report_error(channel, exc, job.filename)
+        else:
+            streams.flush()
+            _send_result(channel, value if job.has_result else None, job.has_result)
+            ok = True
+    finally:
+        capture.flush_all()
+        channel.send(protocol.DONE, seconds=time.monotonic() - started)
+    return ok
+
+
+def _send_result(channel: protocol.Channel, value: Any, has_result: bool) -> None:
+    if not has_result:
+        channel.send(protocol.RESULT, value=None, empty=True)
+        return
+    try:
+        data = dump_result(value)
+    except Exception as exc:
+        channel.send(
+            protocol.ERROR,
+            type=type(exc).__name__,
+            message=(
+                f"the cell's result ({type(value).__module__}.{type(value).__qualname__}) "
+                f"could not be sent back: {exc}. Return something picklable, "
+                f"such as a tensor, a number or a dict of them."
+            ),
+            traceback="",
+        )
+        return
+    channel.send(protocol.RESULT, value=data, empty=False)

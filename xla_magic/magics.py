@@ -1,0 +1,100 @@
+"""The magics: parse arguments, hand over to the session, show the result.
+
+Runs in the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from xla_magic import payload, probe
+from xla_magic.session import RunSpec, Session
+
+
+def device_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--devices takes a whole number of devices, like --devices 8, not {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--devices must be at least 1, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--timeout takes seconds, like --timeout 60, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--timeout must be more than 0 seconds, not {text}")
+    return value
+
+
+@magics_class
+class XlaMagics(Magics):
+    def __init__(self, shell: Any, session: Session) -> None:
+        super().__init__(shell)
+        self.session = session
+
+    @magic_arguments()
+    @argument(
+        "-n", "--devices", type=device_count, default=None,
+        help="number of ranks (default: every TPU device, or 8 in the CPU simulation)",
+    )
+    @argument(
+        "-b", "--backend", default="auto", choices=("auto", "tpu", "cpu"),
+        help="tpu: torch_xla's spawn on TPU devices; cpu: simulated devices on this "
+        "machine's CPU; auto (default): tpu where a TPU is found",
+    )
+    @argument("-o", "--out", metavar="NAME", help="also store the list of results in this variable")
+    @argument(
+        "-t", "--timeout", type=seconds, default=None, metavar="SECONDS",
+        help="stop the ranks (SIGINT, SIGTERM, SIGKILL) if the cell runs longer",
+    )
+    @cell_magic
+    def xla_spawn(self, line: str, cell: str) -> Any:
+        """Run this cell on every XLA device, one rank per device.
+
+        Each rank sees the notebook names the cell reads (shipped with
+        cloudpickle), plus ``rank``, ``world_size``, ``device`` (its XLA
+        device) and ``strategy`` (Lightning XLAStrategy's collectives). Output
+        is shown live, each line tagged ``[rank N]``. The cell's value is the
+        list of every rank's last expression, indexed by rank. The kernel never
+        starts an XLA runtime, so the next cell can spawn again.
+        """
+        args = parse_argstring(self.xla_spawn, line)
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out takes a variable name, not {args.out!r}")
+        try:
+            placement = probe.place(args.backend, args.devices)
+        except probe.PlacementError as exc:
+            raise UsageError(str(exc)) from exc
+        refusal = probe.kernel_xla_runtime()
+        if refusal:
+            raise UsageError(f"%%xla_spawn refused: {refusal}")
+        run_id = self.session.next_run_id()
+        filename = f"<xla_spawn cell {run_id}>"
+        cell_payload = payload.build(cell, filename, self.shell.user_ns, self.shell.user_ns_hidden)
+        spec = RunSpec(
+            payload=cell_payload,
+            backend=placement.backend,
+            devices=placement.devices,
+            cpu_threads=placement.cpu_threads,
+            timeout=args.timeout,
+        )
+        results = self.session.run(spec, run_id, cell, live_lines=_in_notebook(self.shell))
+        if args.out:
+            self.shell.user_ns[args.out] = results
+        return results
+
+
+def _in_notebook(shell: Any) -> bool:
+    return type(shell).__name__ == "ZMQInteractiveShell"

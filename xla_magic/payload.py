@@ -1,0 +1,110 @@
+"""Cell -> payload: the source the ranks run and the notebook names it reads.
+
+Runs in the kernel. The cell is compiled here first, so a syntax error never
+launches anything; the names the cell reads are pickled with cloudpickle
+(notebook functions and classes by value, modules by reference), and a value
+that cannot be pickled is reported by name before any rank starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import cloudpickle
+from IPython.core.error import UsageError
+
+# Names every rank provides itself; the kernel's values are never shipped.
+RANK_NAMES = frozenset({"rank", "world_size", "device", "strategy"})
+
+
+@dataclass(frozen=True)
+class Payload:
+    source: str
+    filename: str
+    has_result: bool
+    namespace: bytes
+    shipped: tuple[str, ...] = field(default=())
+
+
+def compile_cell(source: str, filename: str) -> bool:
+    """Compile the cell as a rank will; True when it ends in an expression.
+
+    Raises SyntaxError (pointing into the cell) when it does not compile.
+    """
+    tree = ast.parse(source, filename=filename)
+    body, last = split_last_expression(tree)
+    compile(body, filename, "exec")
+    if last is not None:
+        compile(last, filename, "eval")
+    return last is not None and not source.rstrip().endswith(";")
+
+
+def split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
+    """The cell without its final expression statement, and that expression."""
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body[-1].value)
+        return ast.Module(tree.body[:-1], type_ignores=[]), last
+    return tree, None
+
+
+def names_read(source: str) -> set[str]:
+    """Every name the cell loads, in any scope inside it."""
+    tree = ast.parse(source)
+    return {
+        node.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del))
+    }
+
+
+def select_names(
+    wanted: Iterable[str], user_ns: Mapping[str, Any], hidden: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The notebook values to ship: present, user-made, not provided per rank."""
+    chosen = {}
+    for name in sorted(wanted):
+        if name in RANK_NAMES or name.startswith("__") or name not in user_ns:
+            continue
+        value = user_ns[name]
+        if name in hidden and hidden[name] is value:
+            continue  # IPython's own (In, Out, get_ipython, exit, ...)
+        if getattr(builtins, name, None) is value:
+            continue
+        chosen[name] = value
+    return chosen
+
+
+def pickle_namespace(values: Mapping[str, Any]) -> bytes:
+    """cloudpickle the values together; name the first one that fails."""
+    try:
+        return cloudpickle.dumps(dict(values))
+    except Exception as whole_error:
+        for name, value in values.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception as exc:
+                raise UsageError(
+                    f"Cannot send notebook variable '{name}' ({type(value).__module__}."
+                    f"{type(value).__qualname__}) to the ranks: {type(exc).__name__}: {exc}. "
+                    f"Create it inside the %%xla_spawn cell instead, or rename it there "
+                    f"if the cell does not need the notebook's value."
+                ) from exc
+        raise UsageError(
+            f"Cannot send the notebook variables {sorted(values)} to the ranks "
+            f"together: {type(whole_error).__name__}: {whole_error}"
+        ) from whole_error
+
+
+def build(source: str, filename: str, user_ns: Mapping[str, Any], hidden: Mapping[str, Any]) -> Payload:
+    has_result = compile_cell(source, filename)
+    values = select_names(names_read(source), user_ns, hidden)
+    return Payload(
+        source=source,
+        filename=filename,
+        has_result=has_result,
+        namespace=pickle_namespace(values),
+        shipped=tuple(values),
+    )

@@ -1,0 +1,146 @@
+"""XLA-free device discovery and the kernel guard. Runs in the kernel.
+
+Nothing here imports torch_xla or starts a runtime: TPUs are found by their
+PCI ids under /sys (the same ids torch_xla's own TPU probe reads), and the
+kernel's XLA state is read only from a torch_xla the user already imported.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GOOGLE_PCI_VENDOR = "0x1ae0"
+# PCI device id -> TPU generation, and how many XLA devices one chip gives.
+TPU_PCI_DEVICES = {
+    "0x0027": ("v2/v3", 2),
+    "0x005e": ("v4", 1),
+    "0x0063": ("v5e", 1),
+    "0x0062": ("v5p", 1),
+    "0x006f": ("v6e", 1),
+}
+CPU_SIMULATION_MAX = 64
+
+
+@dataclass(frozen=True)
+class TpuHost:
+    generation: str
+    chips: int
+    devices_per_chip: int
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.devices_per_chip
+
+    def describe(self) -> str:
+        return f"TPU {self.generation}, {self.chips} chips, {self.devices} devices"
+
+
+def find_tpu(sys_root: str = "/sys") -> TpuHost | None:
+    """The TPU chips on this host's PCI bus, or None."""
+    found: dict[str, int] = {}
+    for vendor_path in glob.glob(os.path.join(sys_root, "bus/pci/devices/*/vendor")):
+        try:
+            vendor = Path(vendor_path).read_text().strip()
+            if vendor != GOOGLE_PCI_VENDOR:
+                continue
+            device = (Path(vendor_path).parent / "device").read_text().strip()
+        except OSError:
+            continue
+        if device in TPU_PCI_DEVICES:
+            found[device] = found.get(device, 0) + 1
+    if not found:
+        return None
+    device, chips = max(found.items(), key=lambda item: item[1])
+    generation, per_chip = TPU_PCI_DEVICES[device]
+    return TpuHost(generation, chips, per_chip)
+
+
+def cpu_pjrt_requested() -> bool:
+    """PJRT_DEVICE=CPU: the tpu launch path runs as CPU threads (for tests)."""
+    return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+
+
+def auto_backend() -> str:
+    if find_tpu() is not None or os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        return "tpu"
+    return "cpu"
+
+
+def kernel_xla_runtime() -> str | None:
+    """Why this process cannot spawn ranks, or None while it is XLA-free.
+
+    Only looks at a torch_xla that is already imported; never imports it.
+    """
+    xlac = sys.modules.get("_XLAC") or getattr(sys.modules.get("torch_xla"), "_XLAC", None)
+    if xlac is None:
+        return None
+    try:
+        initialized = bool(xlac._xla_runtime_is_initialized())
+    except Exception:  # an unknown torch_xla build: assume the worst
+        initialized = True
+    if not initialized:
+        return None
+    return (
+        "this kernel has initialised an XLA runtime (a cell used an XLA device "
+        "outside %%xla_spawn), and only one process can own the devices, so no "
+        "ranks can be started. Restart the kernel, then keep every use of "
+        "torch_xla and the XLA device inside %%xla_spawn cells."
+    )
+
+
+def kernel_imported_torch_xla() -> bool:
+    return "torch_xla" in sys.modules
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run goes: backend, rank count, and the tpu path on CPU threads."""
+
+    backend: str
+    devices: int
+    cpu_threads: bool = False
+
+
+class PlacementError(ValueError):
+    pass
+
+
+def place(backend: str, devices: int | None) -> Placement:
+    """Resolve ``--backend`` and ``--devices`` for this host, or say why not."""
+    if backend == "auto":
+        backend = auto_backend()
+    if devices is not None and devices < 1:
+        raise PlacementError(f"--devices must be at least 1, not {devices}.")
+    if backend == "cpu":
+        count = 8 if devices is None else devices
+        if count > CPU_SIMULATION_MAX:
+            raise PlacementError(
+                f"the CPU simulation runs 1 to {CPU_SIMULATION_MAX} ranks; --devices {count} is too many."
+            )
+        return Placement("cpu", count)
+    tpu = find_tpu()
+    if tpu is None:
+        if cpu_pjrt_requested():
+            count = 8 if devices is None else devices
+            if count > CPU_SIMULATION_MAX:
+                raise PlacementError(f"PJRT_DEVICE=CPU runs 1 to {CPU_SIMULATION_MAX} threads, not {count}.")
+            return Placement("tpu", count, cpu_threads=True)
+        if os.environ.get("PJRT_DEVICE", "").upper() != "TPU":
+            raise PlacementError(
+                "no TPU was found on this machine. Use --backend cpu (or auto) for the CPU "
+                "simulation, or run on a TPU host."
+            )
+        count = devices or 1
+        return Placement("tpu", count)
+    possible = sorted({1, tpu.devices})
+    count = tpu.devices if devices is None else devices
+    if count not in possible:
+        raise PlacementError(
+            f"{tpu.describe()}: torch_xla's spawn runs on one device or on all of them, so "
+            f"--devices can be {' or '.join(map(str, possible))}, not {count}."
+        )
+    return Placement("tpu", count)

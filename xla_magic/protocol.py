@@ -1,0 +1,172 @@
+"""Event types and framing shared by the kernel, the launcher and the ranks.
+
+Runs in every process. Imports nothing heavy and nothing from the rest of the
+package, so the launcher side can use it without touching the kernel side.
+
+A message is one frame: a 4-byte big-endian length, then a pickle of
+``(VERSION, kind, fields)``. Channels are private socket pairs inherited by
+the processes at fork time or handed over with SCM_RIGHTS; nothing here ever
+listens on a port, and only frames from such channels are unpickled.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+from typing import Any, NamedTuple
+
+VERSION = 1
+_HEADER = struct.Struct("!I")
+# A frame larger than this is treated as corruption, not as a request to
+# allocate gigabytes: large data travels through shared memory instead.
+MAX_FRAME = (1 << 31) - 1
+
+# kernel -> launcher
+JOB = "job"
+STOP = "stop"
+# launcher -> kernel
+READY = "ready"
+FATAL = "fatal"
+STARTED = "started"
+# supervisor (one per run) -> kernel
+SPAWNED = "spawned"
+EXIT = "exit"
+ENDED = "ended"
+# rank -> kernel
+OUTPUT = "output"
+RESULT = "result"
+ERROR = "error"
+STATUS = "status"
+DONE = "done"
+# made up by a reader, never sent
+BROKEN = "broken"
+CLOSED = "closed"
+
+
+class Event(NamedTuple):
+    kind: str
+    fields: dict[str, Any]
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    body = pickle.dumps((VERSION, kind, fields), protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """Turns a byte stream into events; never raises on bad input.
+
+    Anything that is not a well-formed frame of our version becomes one
+    ``broken`` event describing the problem, and the reader stops decoding
+    (a stream that lost its framing cannot be trusted again).
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self.broken = False
+
+    def feed(self, data: bytes) -> list[Event]:
+        if self.broken:
+            return []
+        self._buffer += data
+        events: list[Event] = []
+        offset = 0
+        buffer = self._buffer
+        while len(buffer) - offset >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buffer, offset)
+            if length > MAX_FRAME:
+                events.append(self._break(f"frame length {length} exceeds the limit"))
+                return events
+            end = offset + _HEADER.size + length
+            if len(buffer) < end:
+                break
+            events.append(self._decode(bytes(buffer[offset + _HEADER.size : end])))
+            offset = end
+            if self.broken:
+                return events
+        del buffer[:offset]
+        return events
+
+    def pending(self) -> int:
+        """Bytes received that do not yet form a whole frame."""
+        return len(self._buffer)
+
+    def _decode(self, body: bytes) -> Event:
+        try:
+            message = pickle.loads(body)
+        except Exception as exc:  # corrupt data may raise almost anything
+            return self._break(f"undecodable frame ({type(exc).__name__}: {exc})")
+        if not (isinstance(message, tuple) and len(message) == 3):
+            return self._break(f"not an event: {type(message).__name__}")
+        version, kind, fields = message
+        if version != VERSION:
+            return self._break(f"protocol version {version!r}, expected {VERSION}")
+        if not isinstance(kind, str) or not isinstance(fields, dict):
+            return self._break("event without a kind or fields")
+        return Event(kind, fields)
+
+    def _break(self, reason: str) -> Event:
+        self.broken = True
+        self._buffer.clear()
+        return Event(BROKEN, {"reason": reason})
+
+
+class Channel:
+    """A blocking, thread-safe sender and receiver on one socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self._reader = FrameReader()
+        self._inbox: list[Event] = []
+
+    def send(self, kind: str, **fields: Any) -> None:
+        frame = encode(kind, **fields)
+        with self.lock:
+            self.sock.sendall(frame)
+
+    def recv_with_fds(self, maxfds: int) -> tuple[Event, list[int]]:
+        """Next message sent with :meth:`send_with_fds`, reading no further.
+
+        Used by the launcher, whose every incoming message carries its
+        (possibly empty) list of descriptors ahead of the frame.
+        """
+        data, fds, _flags, _addr = socket.recv_fds(self.sock, 1, maxfds)
+        if not data:
+            return Event(CLOSED, {}), []
+        if data != b"F":
+            raise ConnectionError("expected a descriptor marker on the channel")
+        header = self._recv_exact(_HEADER.size)
+        body = self._recv_exact(_HEADER.unpack(header)[0]) if header else b""
+        if not header or body is None:
+            return Event(CLOSED, {}), fds
+        return FrameReader()._decode(body), fds
+
+    def send_with_fds(self, fds: list[int], kind: str, **fields: Any) -> None:
+        frame = encode(kind, **fields)
+        with self.lock:
+            socket.send_fds(self.sock, [b"F"], fds)
+            self.sock.sendall(frame)
+
+    def _recv_exact(self, size: int) -> bytes | None:
+        chunks = bytearray()
+        while len(chunks) < size:
+            data = self.sock.recv(size - len(chunks))
+            if not data:
+                return None
+            chunks += data
+        return bytes(chunks)
+
+    def recv(self) -> Event:
+        """Next event; a ``closed`` event once the peer has gone."""
+        while not self._inbox:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                return Event(CLOSED, {})
+            self._inbox.extend(self._reader.feed(data))
+        return self._inbox.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()
