@@ -103,8 +103,8 @@ class TaggedOutput:
         self.lines += len(lines)
         if self._on_line is not None:
             self._on_line(state.rank, state.stream, lines[-1])
-        room = self.lines_per_rank - state.shown
-        shown, folded = lines[:room], lines[max(room, 0) :]
+        room = max(0, self.lines_per_rank - state.shown)
+        shown, folded = lines[:room], lines[room:]
         if shown:
             state.shown += len(shown)
             if state.log is None:

@@ -162,6 +162,9 @@ def _launcher_environment() -> dict[str, str]:
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # Read when torch is imported: keeps gloo's "Rank N is connected to M
+    # peer ranks" chatter out of every cell.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env
 
 

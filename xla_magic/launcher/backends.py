@@ -67,8 +67,6 @@ def _rank_environment() -> None:
         os.environ.pop(name, None)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # gloo's "Rank N is connected to M peer ranks" lines are noise in a cell.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
 # --- cpu: the simulation --------------------------------------------------
@@ -123,11 +121,19 @@ def _cpu_rank(
             import torch_xla
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-            dist.init_process_group(
-                "gloo", init_method=f"file://{store}/store", rank=rank, world_size=world_size
-            )
+
+            def join_group() -> None:
+                # gloo prints "[Gloo] Rank N is connected to M peer ranks" on
+                # fd 1 whatever the log level; keep it out of the cell.
+                with lifetime.silenced_stdout():
+                    dist.init_process_group(
+                        "gloo", init_method=f"file://{store}/store", rank=rank, world_size=world_size
+                    )
+
             device = torch_xla.device()
-            strategy = strategy_module.RankStrategy(rank, world_size, device, simulated=True)
+            strategy = strategy_module.RankStrategy(
+                rank, world_size, device, simulated=True, join_group=join_group
+            )
             strategy_module.activate(strategy)
             return {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import sys
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
 
@@ -37,3 +40,20 @@ def exit_code(status: int) -> int:
     if os.WIFSIGNALED(status):
         return -os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
+
+
+@contextlib.contextmanager
+def silenced_stdout() -> Iterator[None]:
+    """Send what native code writes to fd 1 to /dev/null for a moment."""
+    sys.stdout.flush()
+    flush_c_stdio()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        flush_c_stdio()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)

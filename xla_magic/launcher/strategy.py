@@ -7,7 +7,7 @@ they travel over the gloo process group that joins the rank processes.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,12 +24,31 @@ def activate(strategy: "RankStrategy") -> None:
 
 
 class RankStrategy:
-    def __init__(self, rank: int, world_size: int, device: torch.device, simulated: bool) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        simulated: bool,
+        join_group: Callable[[], None] | None = None,
+    ) -> None:
         self.global_rank = rank
         self.local_rank = rank
         self.world_size = world_size
         self.root_device = device
         self.simulated = simulated
+        self._join_group = join_group
+
+    def _group_ready(self) -> None:
+        """Join the simulation's gloo group on the first collective.
+
+        Every rank reaches its first collective, so every rank joins; cells
+        that use none never pay for the group.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized() and self._join_group is not None:
+            self._join_group()
 
     @property
     def is_global_zero(self) -> bool:
@@ -39,6 +58,7 @@ class RankStrategy:
         if self.simulated:
             import torch.distributed as dist
 
+            self._group_ready()
             dist.barrier()
         else:
             import torch_xla.core.xla_model as xm
@@ -49,6 +69,7 @@ class RankStrategy:
         if self.simulated:
             import torch.distributed as dist
 
+            self._group_ready()
             local = tensor.detach().cpu().contiguous()
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(parts, local, group=group)

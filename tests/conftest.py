@@ -1,0 +1,56 @@
+"""Shared fixtures: one real IPython shell with the extension loaded.
+
+The shell (and so its launcher) is shared by the whole session, which is
+honest: that is exactly how a notebook uses it, and it keeps the suite fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from IPython.utils.capture import capture_output
+
+# gloo and the XLA runtime open ports of their own; keep them on loopback.
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@dataclass
+class CellRun:
+    value: Any
+    stdout: str
+    stderr: str
+
+    def lines(self, stream: str = "stdout") -> list[str]:
+        return [line for line in getattr(self, stream).splitlines() if line]
+
+
+@pytest.fixture(scope="session")
+def ip():
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "xla_magic")
+    yield shell
+    shell.run_line_magic("unload_ext", "xla_magic")
+
+
+@pytest.fixture
+def spawn(ip):
+    """Run a %%xla_spawn cell in the shared shell and capture what it shows."""
+
+    def run(line: str, cell: str, **user_ns: Any) -> CellRun:
+        ip.user_ns.update(user_ns)
+        with capture_output() as captured:
+            value = ip.run_cell_magic("xla_spawn", line, cell)
+        return CellRun(value, captured.stdout, captured.stderr)
+
+    return run
+
+
+def kernel_is_xla_free() -> bool:
+    return "torch_xla" not in sys.modules and "_XLAC" not in sys.modules
