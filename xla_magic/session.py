@@ -345,13 +345,16 @@ class Run:
     def _closed(self, conn: _Conn) -> None:
         self.selector.unregister(conn.sock)
         conn.sock.close()
+        if conn.reader is not None and conn.reader.pending():
+            self._fail(conn.rank if conn.rank is not None else -1, "ProtocolError",
+                       f"truncated message ({conn.reader.pending()} bytes) when the channel closed")
         if conn.kind == "supervisor":
             self.supervisor_open = False
         elif conn.kind == "events" and conn.rank not in self.done:
             # In the cpu backend each rank alone holds its event socket, so
             # EOF before DONE means the rank died; wait for its exit code.
             self.done.add(conn.rank)
-            self._rank_state(conn.rank, "failed")
+            self._rank_state(conn.rank, "killed" if self.stop_reason else "failed")
 
     def _handle(self, conn: _Conn, event: protocol.Event) -> None:
         kind, fields = event
@@ -402,7 +405,8 @@ class Run:
     def _fail(self, rank: int, type_: str, message: str, traceback: str = "", exit_code: int | None = None) -> None:
         self.failures.setdefault(rank, RankFailure(rank, type_, message, traceback, exit_code))
         if rank >= 0:
-            self._rank_state(rank, "failed")
+            # Errors that follow our own stop signals are the stop, not a fault.
+            self._rank_state(rank, "killed" if self.stop_reason else "failed")
         if self.first_failure_at is None:
             self.first_failure_at = time.monotonic()
 
@@ -467,7 +471,7 @@ class Run:
 
     def _rank_state(self, rank: int, value: str) -> None:
         state = self.record.ranks[rank]
-        if state.state in ("failed", "killed") and value != "failed":
+        if state.state in ("failed", "killed"):
             return
         state.state = value
         if value in ("done", "failed", "killed"):

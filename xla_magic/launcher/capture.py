@@ -14,6 +14,7 @@ from the pump thread at most 5 ms later.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import socket
@@ -177,6 +178,9 @@ def attach(streams: RankStreams) -> None:
             os.dup2(streams.err.sock.fileno(), 2)
             sys.stdout = RankTextStream("stdout", 1)
             sys.stderr = RankTextStream("stderr", 2)
+            # A native crash then leaves a Python traceback on the rank's
+            # stderr socket, which outlives the process.
+            faulthandler.enable(file=2, all_threads=True)
             _router.pump = threading.Thread(target=_pump, name="xla_magic-output", daemon=True)
             _router.pump.start()
     _router.local.streams = streams
