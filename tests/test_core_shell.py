@@ -195,3 +195,26 @@ def test_barrier_and_all_gather_on_the_simulation(spawn):
     run = spawn("--devices 4", cell)
     expected = [[r, 2 * r] for r in range(4)]
     assert run.value == [expected] * 4
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_tpu_launch_path_runs_as_cpu_threads_with_right_tags(spawn, monkeypatch, devices):
+    """The exact xmp.spawn(start_method="fork") path, as threads on CPU."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    cell = (
+        "import threading, torch\n"
+        "print('thread rank', rank)\n"
+        "x = torch.ones(2, device=device) * rank\n"
+        "(rank, world_size, threading.current_thread().name != 'MainThread' or world_size == 1, float(x.sum().cpu()))"
+    )
+    run = spawn(f"--backend tpu --devices {devices}", cell)
+    assert run.value == [(r, devices, True, 2.0 * r) for r in range(devices)]
+    for r in range(devices):
+        assert run.lines().count(f"[rank {r}] thread rank {r}") == 1
+    assert kernel_is_xla_free()
+
+
+def test_tpu_backend_without_a_tpu_says_what_to_do(spawn, monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    with pytest.raises(UsageError, match="no TPU was found.*--backend cpu"):
+        spawn("--backend tpu", "rank")

@@ -313,3 +313,20 @@ def test_flood_keeps_every_line_and_folds_the_display(spawn):
         with open(path) as log:
             numbers = log.read().split()
         assert numbers == [str(i) for i in range(lines)], f"rank {r}"
+
+
+@pytest.mark.parametrize(
+    "message, advice",
+    [
+        ("The TPU is already in use by process with pid 4242.", "another process holds the TPU"),
+        ("open(/dev/accel0): Operation not permitted: Operation not permitted", "TPU build of TensorFlow"),
+        ("Couldn't open iommu group /dev/vfio/0", "TPU build of TensorFlow"),
+        ("RESOURCE_EXHAUSTED: Attempting to reserve 12.5G at the bottom of memory", "ran out of memory"),
+    ],
+)
+def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
+    """The runtime's own messages, raised where the runtime raises them: in a rank."""
+    with pytest.raises(RankError) as info:
+        spawn("--devices 2", f"raise RuntimeError({message!r})")
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "What to do: " in rendered and advice in rendered

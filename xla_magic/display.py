@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 import sys
 import tempfile
 import time
@@ -168,6 +169,41 @@ class LiveLines:
 
 # --- errors from ranks ------------------------------------------------------
 
+# Known TPU-notebook failures: a pattern in a rank's error, and what to do.
+KNOWN_PROBLEMS = [
+    (
+        r"TPU is already in use|already in use by process|device or resource busy",
+        "another process holds the TPU: a previous kernel, or a process it left "
+        "behind. Find it with `sudo lsof -w /dev/accel* /dev/vfio/*`, end it (or "
+        "restart the runtime), then run the cell again.",
+    ),
+    (
+        r"/dev/accel\d.*(Operation not permitted|Permission denied)|Couldn't open iommu group|"
+        r"failed to open (the )?TPU|libtpu.*already (loaded|in use)",
+        "libtpu is already held in this process, usually by a TPU build of "
+        "TensorFlow that an import pulled in (common on Kaggle and Colab). Don't "
+        "import tensorflow in %%xla_spawn cells or in modules they import, or "
+        "uninstall tensorflow-tpu, then restart the kernel.",
+    ),
+    (
+        r"Runtime is already initialized|before processes have spawned",
+        "an XLA runtime was started before the ranks: keep every use of the XLA "
+        "device inside %%xla_spawn cells and restart the kernel if it touched one.",
+    ),
+    (
+        r"RESOURCE_EXHAUSTED|Attempting to (reserve|allocate).*(HBM|memory)|out of memory",
+        "a device ran out of memory: use a smaller batch or model, or bfloat16.",
+    ),
+]
+
+
+def known_problem(text: str) -> str | None:
+    for pattern, advice in KNOWN_PROBLEMS:
+        if re.search(pattern, text, re.IGNORECASE):
+            return advice
+    return None
+
+
 
 class RemoteTraceback(Exception):
     """A rank's traceback as text; the ``__cause__`` of a RankError."""
@@ -220,7 +256,18 @@ class RankError(Exception):
             if len(same) > self.SHOW_SAME:
                 others = ", ".join(str(f.rank) for f in same[self.SHOW_SAME :])
                 lines.append(f"... ranks {others} failed the same way ({same[0].headline()})")
+        advice = self.advice()
+        if advice:
+            lines.append(f"What to do: {advice}")
         return lines
+
+    def advice(self) -> str | None:
+        """What to do about a known TPU-notebook failure, if this is one."""
+        for failure in self.failures:
+            found = known_problem(f"{failure.headline()}\n{failure.traceback}")
+            if found:
+                return found
+        return None
 
     def _render_traceback_(self) -> list[str]:
         return self.render_lines()

@@ -1,0 +1,202 @@
+"""%%xla_spawn through real Jupyter kernels: nbclient notebooks and jupyter_client.
+
+Each test starts its own kernel process, so a kill or an interrupt here is a
+real signal to a real kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+import nbformat
+import psutil
+import pytest
+from jupyter_client.manager import start_new_kernel
+from nbclient import NotebookClient
+
+TIMEOUT = 240
+
+
+def notebook(*cells: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(cell) for cell in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, **env: str) -> nbformat.NotebookNode:
+    client = NotebookClient(
+        nb, timeout=TIMEOUT, kernel_name="python3", allow_errors=True,
+        resources={"metadata": {"path": os.getcwd()}},
+    )
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        client.execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return nb
+
+
+def text_of(cell) -> str:
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type in ("execute_result", "display_data"):
+            parts.append(output.data.get("text/plain", ""))
+        elif output.output_type == "error":
+            parts.append(f"{output.ename}: {output.evalue}\n" + "\n".join(output.traceback))
+    return re.sub(r"\x1b\[[0-9;]*m", "", "".join(parts))
+
+
+def stream(cell, name: str) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == name)
+
+
+def test_notebook_runs_cells_on_ranks_end_to_end():
+    nb = execute(notebook(
+        "%load_ext xla_magic",
+        "def double(v):\n    return 2 * v\ntriple = lambda v: 3 * v\n"
+        "class Point:\n    def __init__(self, x):\n        self.x = x",
+        "%%xla_spawn --devices 2 --out gathered\n"
+        "import torch, sys\n"
+        "x = torch.ones(3, device=device) * rank\n"
+        "print('hello from', rank)\n"
+        "print('to stderr', rank, file=sys.stderr)\n"
+        "(double(rank), triple(rank), Point(rank).x, float(x.sum().cpu()))",
+        "gathered",
+        "%%xla_spawn --devices 2\nx = (1,\n",
+        "import threading\nlock = threading.Lock()",
+        "%%xla_spawn --devices 2\nprint(lock)",
+        "%%xla_spawn --devices 2\nif rank == 1:\n    raise ValueError('rank one is unhappy')\nrank",
+        "import sys\n('torch_xla' in sys.modules, '_XLAC' in sys.modules)",
+        "%%xla_spawn --devices 2\nrank * 10",
+    ))
+    cells = nb.cells
+    spawned = cells[2]
+    assert stream(spawned, "stdout").count("hello from") == 2
+    for r in range(2):
+        assert f"[rank {r}] hello from {r}" in stream(spawned, "stdout")
+        assert re.search(rf"\[rank {r}\]\S* to stderr {r}", stream(spawned, "stderr"))
+    assert "[(0, 0, 0, 0.0), (2, 3, 1, 3.0)]" in text_of(spawned)
+    assert "[(0, 0, 0, 0.0), (2, 3, 1, 3.0)]" in text_of(cells[3])
+    assert "SyntaxError" in text_of(cells[4]) and "[rank" not in text_of(cells[4])
+    assert "UsageError" in text_of(cells[6]) and "'lock' (_thread.lock)" in text_of(cells[6])
+    failed = text_of(cells[7])
+    assert "RankError" in failed and "[rank 1]" in failed
+    assert "ValueError: rank one is unhappy" in failed and "raise ValueError('rank one is unhappy')" in failed
+    assert "(False, False)" in text_of(cells[8])
+    assert "[0, 10]" in text_of(cells[9])
+
+
+def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
+    nb = execute(
+        notebook(
+            "%load_ext xla_magic",
+            "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
+            "%%xla_spawn --devices 2\nrank",
+        ),
+        PJRT_DEVICE="CPU",
+    )
+    assert "2.0" in text_of(nb.cells[1])
+    refused = text_of(nb.cells[2])
+    assert "UsageError" in refused
+    assert "initialised an XLA runtime" in refused and "Restart the kernel" in refused
+
+
+class Kernel:
+    """A real kernel driven through jupyter_client, cell by cell."""
+
+    def __init__(self) -> None:
+        self.manager, self.client = start_new_kernel(kernel_name="python3", startup_timeout=60)
+
+    def run(self, code: str, timeout: float = TIMEOUT, on_output=None) -> tuple[dict, str]:
+        chunks: list[str] = []
+
+        def hook(msg):
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                chunks.append(content["text"])
+            elif msg["msg_type"] == "error":
+                chunks.append(f"{content['ename']}: {content['evalue']}\n" + "\n".join(content["traceback"]))
+            elif msg["msg_type"] == "execute_result":
+                chunks.append(content["data"].get("text/plain", ""))
+            if on_output is not None:
+                on_output("".join(chunks))
+
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook)
+        return reply["content"], re.sub(r"\x1b\[[0-9;]*m", "", "".join(chunks))
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel():
+    k = Kernel()
+    try:
+        yield k
+    finally:
+        k.close()
+
+
+def test_stop_button_interrupts_the_ranks_and_the_kernel_carries_on(kernel):
+    kernel.run("%load_ext xla_magic")
+    interrupted = []
+
+    def on_output(text):
+        if not interrupted and text.count("sleeping") == 2:
+            interrupted.append(time.monotonic())
+            kernel.manager.interrupt_kernel()
+
+    reply, text = kernel.run(
+        "%%xla_spawn --devices 2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)",
+        on_output=on_output,
+    )
+    assert interrupted
+    assert reply["status"] == "error" and reply["ename"] == "RunInterrupted"
+    assert "interrupted; the ranks were stopped" in text
+    reply, text = kernel.run("%%xla_spawn --devices 2\nrank + 5")
+    assert reply["status"] == "ok" and "[5, 6]" in text
+
+
+def test_killed_kernel_takes_launcher_and_ranks_with_it(kernel):
+    kernel.run("%load_ext xla_magic")
+    pids: set[int] = set()
+
+    # Start a long cell without waiting for it, then kill the kernel under it.
+    kernel.client.execute(
+        "print('pid', get_ipython()._xla_magic_session.ensure_launcher().pid, flush=True)\n"
+    )
+    kernel.client.execute(
+        "%%xla_spawn --devices 2\nimport os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(600)"
+    )
+    deadline = time.monotonic() + 120
+    while len(pids) < 3 and time.monotonic() < deadline:
+        try:
+            msg = kernel.client.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        if msg["msg_type"] == "stream":
+            pids.update(int(p) for p in re.findall(r"pid (\d+)", msg["content"]["text"]))
+    assert len(pids) == 3, pids  # the launcher and two ranks
+    descendants = {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
+    assert pids <= descendants
+    os.kill(kernel.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in descendants):
+        time.sleep(0.2)
+    left = [p for p in descendants if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left == []
