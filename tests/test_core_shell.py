@@ -218,3 +218,36 @@ def test_tpu_backend_without_a_tpu_says_what_to_do(spawn, monkeypatch):
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     with pytest.raises(UsageError, match="no TPU was found.*--backend cpu"):
         spawn("--backend tpu", "rank")
+
+
+def test_modules_travel_by_name(ip, spawn):
+    ip.run_cell("import json as kernel_json\nimport os.path as kernel_path")
+    run = spawn("--devices 2", "(kernel_json.dumps({'r': rank}), kernel_path.basename('/a/b'))")
+    assert run.value == [('{"r": 0}', "b"), ('{"r": 1}', "b")]
+
+
+def test_a_dead_launcher_is_replaced_on_the_next_cell(ip, spawn):
+    import psutil
+
+    session = ip._xla_magic_session
+    old = session.ensure_launcher()
+    old.wait_ready()
+    psutil.Process(old.pid).kill()
+    old.process.wait()
+    assert spawn("--devices 2", "rank").value == [0, 1]
+    assert session.launcher is not old and session.launcher.alive()
+
+
+def test_unload_stops_every_process_and_reload_works(ip, spawn):
+    import psutil
+
+    session = ip._xla_magic_session
+    session.ensure_launcher().wait_ready()
+    assert psutil.Process().children(recursive=True)
+    ip.run_line_magic("unload_ext", "xla_magic")
+    try:
+        assert "xla_spawn" not in ip.magics_manager.magics["cell"]
+        assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        ip.run_line_magic("load_ext", "xla_magic")
+    assert spawn("--devices 2", "rank").value == [0, 1]
