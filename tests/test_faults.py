@@ -330,3 +330,16 @@ def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
         spawn("--devices 2", f"raise RuntimeError({message!r})")
     rendered = "\n".join(info.value._render_traceback_())
     assert "What to do: " in rendered and advice in rendered
+
+
+def test_subprocesses_a_cell_leaves_behind_are_ended(ip, spawn):
+    cell = "import subprocess\nchild = subprocess.Popen(['sleep', '300'])\nchild.pid"
+    started = time.monotonic()
+    run = spawn("--devices 2", cell)
+    assert time.monotonic() - started < HANG_BOUND
+    for pid in run.value:
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert_nothing_left(ip)
