@@ -13,8 +13,9 @@ import builtins
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-import cloudpickle
 from IPython.core.error import UsageError
+
+from xla_magic import transport
 
 # Names every rank provides itself; the kernel's values are never shipped.
 RANK_NAMES = frozenset({"rank", "world_size", "device", "strategy"})
@@ -27,6 +28,8 @@ class Payload:
     has_result: bool
     namespace: bytes
     shipped: tuple[str, ...] = field(default=())
+    # Shared-memory segments holding the large values; swept when the run ends.
+    segments: transport.RunSegments | None = field(default=None, compare=False, repr=False)
 
 
 def compile_cell(source: str, filename: str) -> bool:
@@ -77,14 +80,22 @@ def select_names(
     return chosen
 
 
-def pickle_namespace(values: Mapping[str, Any]) -> bytes:
-    """cloudpickle the values together; name the first one that fails."""
+def pickle_namespace(values: Mapping[str, Any], segments: transport.RunSegments | None = None) -> bytes:
+    """cloudpickle the values together; name the first one that fails.
+
+    With ``segments``, large tensors and arrays go to shared memory once,
+    for every rank to map, instead of into the pickle.
+    """
     try:
-        return cloudpickle.dumps(dict(values))
-    except Exception as whole_error:
+        return transport.dumps_namespace(dict(values), segments)
+    except BaseException as whole_error:
+        if segments is not None:
+            segments.sweep()
+        if not isinstance(whole_error, Exception):
+            raise
         for name, value in values.items():
             try:
-                cloudpickle.dumps(value)
+                transport.check_picklable(value)
             except Exception as exc:
                 raise UsageError(
                     f"Cannot send notebook variable '{name}' ({type(value).__module__}."
@@ -101,10 +112,12 @@ def pickle_namespace(values: Mapping[str, Any]) -> bytes:
 def build(source: str, filename: str, user_ns: Mapping[str, Any], hidden: Mapping[str, Any]) -> Payload:
     has_result = compile_cell(source, filename)
     values = select_names(names_read(source), user_ns, hidden)
+    segments = transport.RunSegments()
     return Payload(
         source=source,
         filename=filename,
         has_result=has_result,
-        namespace=pickle_namespace(values),
+        namespace=pickle_namespace(values, segments),
         shipped=tuple(values),
+        segments=segments,
     )

@@ -8,7 +8,6 @@ Talks to the launcher and ranks only over socket pairs it made itself.
 from __future__ import annotations
 
 import os
-import pickle
 import selectors
 import signal
 import socket
@@ -21,7 +20,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol
+from xla_magic import protocol, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.payload import Payload
 
@@ -274,6 +273,7 @@ class Run:
             self.supervisor_pid = self.launcher.submit(job, [s.fileno() for s in theirs])
         except BaseException:
             self._close_all()
+            self._sweep_segments()
             raise
         finally:
             for sock in theirs:
@@ -308,6 +308,7 @@ class Run:
             ) from None
         finally:
             self._close_all()
+            self._sweep_segments()
         self._account_for_missing_ranks()
         if self.failures:
             self._finish("failed")
@@ -393,7 +394,7 @@ class Run:
         if fields.get("empty"):
             return
         try:
-            self.results[rank] = pickle.loads(fields["value"])
+            self.results[rank] = transport.load_result(fields["value"])
         except Exception as exc:
             self._fail(
                 rank,
@@ -503,6 +504,12 @@ class Run:
             self.selector.unregister(key.fileobj)
             key.fileobj.close()
         self.selector.close()
+
+    def _sweep_segments(self) -> None:
+        """Remove the run's shared memory: what was shipped and any result not taken."""
+        segments = self.spec.payload.segments
+        if segments is not None:
+            segments.sweep()
 
 
 # --- the per-kernel session -------------------------------------------------

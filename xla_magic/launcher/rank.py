@@ -19,9 +19,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import cloudpickle
-
-from xla_magic import protocol
+from xla_magic import protocol, transport
 from xla_magic.launcher import capture
 
 
@@ -44,22 +42,25 @@ class CellJob:
     namespace: bytes
 
 
-class _ResultPickler(cloudpickle.Pickler):
-    """cloudpickle that moves XLA tensors to the CPU as it meets them."""
+class _ResultPickler(transport.SharedMemoryPickler):
+    """Moves XLA tensors to the CPU as it meets them; large ones go to shared memory."""
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
 
         if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
-            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            on_cpu = obj.detach().cpu()
+            reduced = super().reducer_override(on_cpu)
+            return on_cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL) if reduced is NotImplemented else reduced
         return super().reducer_override(obj)
 
 
-def dump_result(value: Any) -> bytes:
+def dump_result(value: Any, segments: transport.SegmentWriter | None = None) -> bytes:
+    """Pickle a result; with ``segments``, large tensors and arrays go to shared memory."""
     import io
 
     buffer = io.BytesIO()
-    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    _ResultPickler(buffer, segments, transport.RETURN).dump(value)
     return buffer.getvalue()
 
 
@@ -142,13 +143,17 @@ def execute(
     channel = protocol.Channel(sockets.events)
     started = time.monotonic()
     ok = False
+    results_to: transport.SegmentWriter | None = None
     try:
         channel.send(protocol.STATUS, state="starting", pid=os.getpid())
         register_source(job)
         try:
             rank_names = setup()
             namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-            namespace.update(pickle.loads(job.namespace))
+            shipped, segment_prefix = transport.load_namespace(job.namespace)
+            namespace.update(shipped)
+            if segment_prefix is not None:
+                results_to = transport.SegmentWriter(segment_prefix, f"r{rank}")
             namespace.update(rank_names)
             bind_rank_names(namespace, rank_names)
             channel.send(protocol.STATUS, state="running")
@@ -159,7 +164,7 @@ def execute(
             report_error(channel, exc, job.filename)
         else:
             streams.flush()
-            _send_result(channel, value if job.has_result else None, job.has_result)
+            _send_result(channel, value if job.has_result else None, job.has_result, results_to)
             ok = True
     finally:
         capture.flush_all()
@@ -167,12 +172,14 @@ def execute(
     return ok
 
 
-def _send_result(channel: protocol.Channel, value: Any, has_result: bool) -> None:
+def _send_result(
+    channel: protocol.Channel, value: Any, has_result: bool, segments: transport.SegmentWriter | None = None
+) -> None:
     if not has_result:
         channel.send(protocol.RESULT, value=None, empty=True)
         return
     try:
-        data = dump_result(value)
+        data = dump_result(value, segments)
     except Exception as exc:
         channel.send(
             protocol.ERROR,
