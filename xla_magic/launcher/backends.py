@@ -21,7 +21,7 @@ import traceback
 from typing import Any
 
 from xla_magic import protocol
-from xla_magic.launcher import lifetime, rank as rank_module, strategy as strategy_module
+from xla_magic.launcher import lifetime, rank as rank_module, simulate, strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -131,13 +131,13 @@ def _cpu_rank(
                     )
 
             device = torch_xla.device()
-            strategy = strategy_module.RankStrategy(
-                rank, world_size, device, simulated=True, join_group=join_group
-            )
+            simulate.install(rank, world_size, join_group)  # before the cell: xm/xr across ranks
+            strategy = strategy_module.RankStrategy(rank, world_size, device, simulated=True)
             strategy_module.activate(strategy)
             return {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
 
-        ok = rank_module.execute(rank, ranks[rank], cell, setup)
+        closing = strategy_module.closing_on_store(os.path.join(store, "closing"), cell.run_id, world_size)
+        ok = rank_module.execute(rank, ranks[rank], cell, setup, closing)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()
@@ -181,9 +181,11 @@ def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_modul
     def setup() -> dict[str, Any]:
         device = torch_xla.device()
         world_size = xr.world_size()
-        strategy = strategy_module.RankStrategy(index, world_size, device, simulated=False)
+        strategy = strategy_module.RankStrategy(
+            index, world_size, device, simulated=False, local_rank=xr.local_ordinal()
+        )
         strategy_module.activate(strategy)
         return {"rank": index, "world_size": world_size, "device": device, "strategy": strategy}
 
-    rank_module.execute(index, ranks[index], cell, setup)
+    rank_module.execute(index, ranks[index], cell, setup, strategy_module.closing_on_xla(cell.run_id))
     lifetime.flush_c_stdio()
