@@ -1,0 +1,601 @@
+"""Writes the three notebooks from the cells below. Runs as a script, by hand.
+
+    python notebooks/build.py            # write quickstart, colab_tpu, kaggle_tpu
+    python notebooks/build.py --execute  # also run quickstart and keep its outputs
+
+The cells live here, not in the .ipynb files, so the training example is one
+text shared by all three notebooks and a reviewer reads Python, not JSON.
+tests/test_notebooks.py checks that the committed notebooks are what this
+script writes.
+
+Cell tags the tests read:
+- ``install``: installs packages; skipped where the package is already installed.
+- ``needs-tpu``: only meaningful on a TPU; skipped on the CPU simulation.
+- ``raises-exception``: the cell shows an error on purpose (nbclient's own tag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+
+def md(text: str) -> nbformat.NotebookNode:
+    return new_markdown_cell(text.strip("\n"))
+
+
+def code(text: str, *tags: str) -> nbformat.NotebookNode:
+    cell = new_code_cell(text.strip("\n"))
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+# --- shared by every notebook ------------------------------------------------
+
+LOAD = "%load_ext xla_magic"
+
+DATA = '''
+import torch  # the kernel may use torch freely; it never imports torch_xla
+
+true_weights = [2.0, -3.0, 0.5, 1.0]  # three slopes and a bias
+features = torch.randn(512, 3, generator=torch.Generator().manual_seed(0))
+targets = (features @ torch.tensor(true_weights[:3]) + true_weights[3]).unsqueeze(1)
+
+
+def shard(tensor, rank, world_size):
+    """This rank's share of the rows: every rank trains on different data."""
+    return tensor[rank::world_size]
+
+
+def average_gradients(model):
+    """Replace each gradient by its mean over all ranks, so every rank takes the same step."""
+    for parameter in model.parameters():
+        parameter.grad = strategy.all_gather(parameter.grad).mean(dim=0)
+'''
+
+# The magic line is filled in per notebook: the quickstart names a device
+# count, the TPU notebooks use every device the TPU has.
+TRAIN = '''
+%%xla_spawn{options} --out weights
+import torch
+import torch_xla
+
+model = torch.nn.Linear(3, 1).to(device)
+with torch.no_grad():  # the same start on every rank (no shared random state needed)
+    model.weight.zero_()
+    model.bias.zero_()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x = shard(features, rank, world_size).to(device)
+y = shard(targets, rank, world_size).to(device)
+
+for step in range(40):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    average_gradients(model)
+    optimizer.step()
+    torch_xla.sync()  # run the step's graph now
+    if step % 10 == 0:
+        mean_loss = strategy.all_gather(loss.detach()).mean()
+        if strategy.is_global_zero:
+            print(f"step {{step:2d}}  loss {{mean_loss.item():.5f}}")
+
+[round(value, 4) for value in model.weight.flatten().tolist() + model.bias.tolist()]
+'''
+
+TRAIN_CHECK = '''
+same = all(w == weights[0] for w in weights)
+print(f"{len(weights)} ranks, all with the same weights: {same}")
+print("learned:", weights[0])
+print("true:   ", true_weights)
+'''
+
+KERNEL_XLA_FREE = '''
+import sys
+
+print("torch_xla imported in this kernel:", "torch_xla" in sys.modules)
+'''
+
+# TODO(issue 6, %xla_status): once the magic lands, add STATUS to QUICKSTART
+# (before "Next") and to the TPU notebooks (after the training check), and
+# extend tests/test_notebooks.py::test_quickstart_outputs with what it shows.
+STATUS = "%xla_status"
+
+
+def train_cell(options: str) -> nbformat.NotebookNode:
+    return code(TRAIN.format(options=options))
+
+
+# --- quickstart: the CPU simulation ------------------------------------------
+
+QUICKSTART = [
+    md('''
+# xla_magic quickstart: a TPU's worth of devices on your CPU
+
+`%%xla_spawn` runs a notebook cell on every XLA device at once, one *rank* per
+device, and brings each rank's output and result back into the notebook. The
+kernel itself never starts an XLA runtime, so you can spawn again in the next
+cell, as often as you like.
+
+This notebook needs no TPU: on a machine without one, xla_magic uses its CPU
+simulation, where every simulated device is a real process with its own XLA
+CPU device, so XLA really traces and compiles your code. The same cells run
+unchanged on a TPU (see `colab_tpu.ipynb` and `kaggle_tpu.ipynb`).
+
+Set-up, from the repository root: `make demo` (or `pip install ".[local]"`
+into an environment with Jupyter).
+'''),
+    code(LOAD),
+    md('''
+## Hello from every rank
+
+Inside the cell, `rank`, `world_size`, `device` (this rank's XLA device) and
+`strategy` are defined. Every line a rank prints is tagged with its rank.
+The last expression of each rank comes back as a list indexed by rank;
+`--out sums` also stores that list in a variable.
+'''),
+    code('''
+%%xla_spawn --devices 8 --out sums
+import torch
+
+x = torch.ones(3, device=device) * rank
+print(f"hello from rank {rank} of {world_size}, on {device}")
+x.sum().item()
+'''),
+    code('''
+print("sums by rank:", sums)
+print("total:", sum(sums))
+'''),
+    md('''
+## Notebook names travel with the cell
+
+A `%%xla_spawn` cell can use the variables, functions and classes you defined
+in the notebook: xla_magic finds the names the cell reads and ships them to the
+ranks (functions by value, so you can edit and re-run them). Here: a data set,
+a function that gives each rank its share of it, and one that averages
+gradients across ranks. `strategy`, `rank` and friends inside those functions
+mean the calling rank's.
+'''),
+    code(DATA),
+    md('''
+## A small data-parallel training run
+
+Four ranks fit a linear model, each on its own quarter of the data. After every
+backward pass the gradients are averaged across ranks, so all ranks take the
+same step and end with the same weights: the usual data parallelism, with
+`strategy.all_gather` doing the communication (on a TPU it is torch_xla's
+`all_gather`; in the simulation it travels over gloo).
+'''),
+    train_cell(" --devices 4"),
+    code(TRAIN_CHECK),
+    md('''
+## When a rank fails
+
+The cell fails as soon as one rank does: the other ranks are stopped, and the
+error shows the failing rank's own traceback, tagged, with the cell's line.
+'''),
+    code('''
+%%xla_spawn --devices 2
+if rank == 1:
+    raise ValueError(f"rank {rank} found bad data")
+rank
+''', "raises-exception"),
+    md('''
+## The kernel stayed XLA-free
+
+Everything XLA happened in the ranks. The kernel has not even imported
+torch_xla, which is what lets every cell above spawn again.
+'''),
+    code(KERNEL_XLA_FREE),
+    md('''
+## Next
+
+- On a real TPU: `colab_tpu.ipynb` or `kaggle_tpu.ipynb`.
+- Every option: `%%xla_spawn?`, or the README's "Magics and options".
+'''),
+]
+
+
+# --- the TPU services ----------------------------------------------------------
+
+
+class Service:
+    def __init__(self, name: str, **text: str) -> None:
+        self.name = name
+        self.text = {key: value.strip("\n") for key, value in text.items()}
+
+    def __getitem__(self, key: str) -> str:
+        return self.text[key]
+
+
+COLAB = Service(
+    "Colab",
+    select='''
+In Colab: **Runtime → Change runtime type → TPU** (the free tier offers
+**TPU v5e-1**; paid plans may list other TPU types). Then run the cells from the
+top.
+''',
+    wheel_hint='''
+# xla_magic is not on PyPI yet. Build a wheel where you cloned the repository
+#   pip wheel --no-deps -w dist .
+# and upload dist/xla_magic-*.whl with Colab's Files panel (it lands in /content),
+# or set XLA_MAGIC_SOURCE to a git URL of the repository that this runtime can reach.
+import glob
+
+XLA_MAGIC_SOURCE = (sorted(glob.glob("/content/xla_magic-*.whl")) or ["xla_magic"])[-1]
+''',
+    hardware='''
+## What the TPU looks like to torch_xla here
+
+torch_xla's spawn starts **one process per TPU chip**. On TPU v2 and v3 each
+chip has two TensorCores, and each is its own XLA device driven by a thread of
+that chip's process; from v4 on, a chip is one device.
+
+| Colab runtime | chips | XLA devices | ranks: processes × threads | `--devices` |
+|---|---|---|---|---|
+| TPU v5e-1 (the free tier since September 2025) | 1 | 1 | 1 × 1 | `1` |
+| TPU v6e-1 (if your plan lists it) | 1 | 1 | 1 × 1 | `1` |
+| TPU v2-8 (retired from Colab in September 2025) | 4 | 8 | 4 × 2 | `1` or `8` |
+
+`--devices` takes **1 or every device**: torch_xla's spawn runs on one device or
+on all of them, and xla_magic refuses other counts with a message that lists
+the ones that work. With no `--devices`, a cell uses every device.
+
+What we know vs. what to check: the table follows Colab's announcements and
+Cloud TPU's documentation as of late 2025; Colab changes its TPU offer from
+time to time. The cell below (and the next one, which spawns) shows what *your*
+runtime has.
+''',
+    host_memory='''
+Colab's TPU runtimes share one host between the kernel and every rank. Check
+the host memory the next cell prints against what each rank will load.
+''',
+    pitfall_extra='''
+### TPU v5e-1 has one device
+
+A single-device TPU is still worth spawning for: the kernel stays XLA-free, so
+you can re-run, interrupt and change cells without restarting the runtime. Code
+written for many devices (all_gather, sharding by rank) runs as one rank.
+''',
+)
+
+KAGGLE = Service(
+    "Kaggle",
+    select='''
+In a Kaggle notebook: **Settings → Accelerator → TPU** (Kaggle lists
+**TPU v5e-8**; older notebooks ran on a **TPU VM v3-8**). Installing from a git
+URL needs **Settings → Internet on**; a wheel added as a Kaggle dataset does not.
+Then run the cells from the top.
+''',
+    wheel_hint='''
+# xla_magic is not on PyPI yet. Build a wheel where you cloned the repository
+#   pip wheel --no-deps -w dist .
+# and add dist/xla_magic-*.whl to this notebook as a dataset (it appears under
+# /kaggle/input), or set XLA_MAGIC_SOURCE to a git URL (needs Internet on).
+import glob
+
+XLA_MAGIC_SOURCE = (sorted(glob.glob("/kaggle/input/*/xla_magic-*.whl")) or ["xla_magic"])[-1]
+''',
+    hardware='''
+## What the TPU looks like to torch_xla here
+
+torch_xla's spawn starts **one process per TPU chip**. On TPU v2 and v3 each
+chip has two TensorCores, and each is its own XLA device driven by a thread of
+that chip's process; from v4 on, a chip is one device.
+
+| Kaggle accelerator | chips | XLA devices | ranks: processes × threads | `--devices` |
+|---|---|---|---|---|
+| TPU v5e-8 | 8 | 8 | 8 × 1 | `1` or `8` |
+| TPU VM v3-8 (earlier Kaggle TPU) | 4 | 8 | 4 × 2 | `1` or `8` |
+
+`--devices` takes **1 or every device**: torch_xla's spawn runs on one device or
+on all of them, and xla_magic refuses other counts with a message that lists
+the ones that work. With no `--devices`, a cell uses every device.
+
+On a v3-8 two ranks share each process as threads, so a cell must be
+thread-safe there: no shared global random state for initialisation (the
+training example below starts from zeros for that reason), no writes to the
+same file from every rank.
+
+What we know vs. what to check: the table follows Kaggle's accelerator list and
+Cloud TPU's documentation as of late 2025. The cell below (and the next one,
+which spawns) shows what *your* session has.
+''',
+    host_memory='''
+Kaggle's TPU VM is one host shared by the kernel and every rank; the next cell
+prints its memory.
+''',
+    pitfall_extra='''
+### Competitions without internet
+
+Notebooks submitted to a code competition often run with the internet off. Add
+the xla_magic wheel as a dataset (see the install cell): that install needs no
+network, and it brings no dependencies that could replace the image's own.
+''',
+)
+
+
+def install_cell(service: Service) -> nbformat.NotebookNode:
+    return code(service["wheel_hint"] + '''
+
+# Install xla_magic alone (--no-deps): the runtime's torch, torch_xla, libtpu and
+# ipywidgets stay exactly as this TPU image ships them.
+import importlib.metadata
+import importlib.util
+
+
+def versions(names):
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+RUNTIME = ("torch", "torch_xla", "libtpu", "jax", "tensorflow", "ipywidgets")
+before = versions(RUNTIME)
+%pip install -q --no-deps {XLA_MAGIC_SOURCE}
+if importlib.util.find_spec("cloudpickle") is None:  # the one dependency an image may lack
+    %pip install -q cloudpickle
+after = versions(RUNTIME)
+assert after == before, f"the install changed the runtime: {before} -> {after}"
+print("xla_magic", importlib.metadata.version("xla_magic"), "installed; runtime unchanged:", after)
+''', "install")
+
+
+RUNTIME_CHECK = '''
+# What this runtime has, without starting XLA in the kernel.
+import importlib.metadata
+import os
+
+from xla_magic import probe
+
+
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+for name in ("torch", "torch_xla", "libtpu", "tensorflow", "jax"):
+    print(f"{name:12} {version(name)}")
+tpu = probe.find_tpu()
+print("TPU:", tpu.describe() if tpu else "none found (cells run on the CPU simulation)")
+print("CPU cores:", os.cpu_count())
+with open("/proc/meminfo") as meminfo:
+    total_kb = int(meminfo.readline().split()[1])
+print(f"host memory: {total_kb / 2**20:.0f} GiB")
+for name in ("PJRT_DEVICE", "TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID", "TPU_ACCELERATOR_TYPE"):
+    print(f"{name} = {os.environ.get(name)!r}")
+'''
+
+RANK_LAYOUT = '''
+%%xla_spawn --out layout
+import os
+import threading
+
+print(f"rank {rank} of {world_size} on {device}: process {os.getpid()}, thread {threading.get_ident()}")
+os.getpid()
+'''
+
+RANK_LAYOUT_CHECK = '''
+processes = len(set(layout))
+print(f"{len(layout)} ranks = {processes} processes x {len(layout) // processes} thread(s) each")
+'''
+
+TPU_MEMORY = '''
+%%xla_spawn --backend tpu --devices 1
+import torch_xla.core.xla_model as xm
+
+memory = xm.get_memory_info(device)
+print(memory)
+memory
+'''
+
+STALE_ADDRESSES = '''
+%%xla_spawn --devices 1
+import os
+
+{name: os.environ.get(name) for name in ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")}
+'''
+
+LIBTPU_IN_KERNEL = '''
+import sys
+
+
+def kernel_holds_libtpu():
+    """Whether this kernel process has loaded libtpu (which then owns the chips)."""
+    with open("/proc/self/maps") as maps:
+        return any("libtpu" in line for line in maps)
+
+
+print("tensorflow imported in this kernel:", "tensorflow" in sys.modules)
+print("libtpu loaded in this kernel:", kernel_holds_libtpu())
+'''
+
+STAGGERED_LOAD = '''
+def build_model():
+    """Stands in for loading a large checkpoint into host memory."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+'''
+
+STAGGERED_LOAD_CELL = '''
+%%xla_spawn --out loaded
+import gc
+
+# One rank at a time loads into host memory and moves the weights to its device;
+# the others wait at the barrier, so the host holds one copy at a time, not one per rank.
+for turn in range(world_size):
+    if turn == rank:
+        model = build_model().to(device)
+        gc.collect()
+    strategy.barrier()
+sum(p.numel() for p in model.parameters())
+'''
+
+
+def tpu_notebook(service: Service) -> list[nbformat.NotebookNode]:
+    return [
+        md(f'''
+# xla_magic on {service.name} TPUs
+
+Run notebook cells on every TPU device with `%%xla_spawn`, while the kernel
+itself never starts an XLA runtime: no "Runtime is already initialized"
+errors, no restarting the runtime between attempts, and tagged output from
+every rank.
+
+{service["select"]}
+
+Everything here except the install cell and the one marked *TPU only* also runs
+on a laptop, on xla_magic's CPU simulation (that is how the project tests this
+notebook).
+'''),
+        md('''
+## Install xla_magic without touching the runtime's torch
+
+The TPU image already has torch, torch_xla and libtpu built to work together.
+Reinstalling any of them is the most common way to break a TPU notebook, so the
+cell below installs xla_magic with `--no-deps` and then checks that none of them
+changed. (`pip install xla_magic` with dependencies would only add IPython,
+ipywidgets and cloudpickle, never torch; the `[local]` extra, which does bring
+torch and torch_xla, is for laptops only.)
+'''),
+        install_cell(service),
+        md(service["hardware"]),
+        code(RUNTIME_CHECK),
+        code(LOAD),
+        md('''
+## Hello from every rank, and how they are laid out
+
+Each rank reports its process and thread. On a TPU v2/v3 you will see two
+ranks per process; on v4 and later, one. (In the CPU simulation every rank is
+its own process.)
+'''),
+        code(RANK_LAYOUT),
+        code(RANK_LAYOUT_CHECK),
+        md('''
+## TPU only: device memory
+
+`--backend tpu` insists on the TPU (it fails at once, with a clear message,
+where there is none). Here one rank reports its device's memory.
+'''),
+        code(TPU_MEMORY, "needs-tpu"),
+        md('''
+## The training example, on the TPU
+
+The same small data-parallel run as in the quickstart, now on every TPU device:
+each rank trains on its own share of the data and gradients are averaged
+across ranks with `strategy.all_gather` (torch_xla's `all_gather` here).
+'''),
+        code(DATA),
+        train_cell(""),
+        code(TRAIN_CHECK),
+        md(f'''
+## {service.name} TPU pitfalls, and what xla_magic does about them
+
+### A leftover `TPU_PROCESS_ADDRESSES`
+
+The TPU image sets `TPU_PROCESS_ADDRESSES` and `CLOUD_TPU_TASK_ID` for a
+single-process job. Left in place, torch_xla's multi-process spawn tries to
+join that job instead and fails or hangs; notebooks used to `os.environ.pop`
+them by hand. xla_magic removes both in every rank before torch_xla starts,
+and leaves the kernel's environment alone. The ranks see:
+'''),
+        code(STALE_ADDRESSES),
+        md('''
+### A TPU build of TensorFlow holding libtpu
+
+TPU images ship TensorFlow built for the TPU. Importing it in the kernel (or
+importing something that imports it: transformers' TF side, keras,
+`torch.utils.tensorboard` with TF installed) loads libtpu into the kernel, and
+the process that loads libtpu owns the TPU chips. The ranks then fail with
+`TPU initialization failed: open(/dev/accel0): Operation not permitted` or
+`Couldn't open device: /dev/accel0`, or report that the TPU is in use.
+
+xla_magic itself never imports TensorFlow in the kernel. If you need
+TensorFlow (say, for `tf.data` or TFRecords), set `TPU_LOAD_LIBRARY=0` in the
+kernel *before* importing it (TensorFlow then runs on the CPU and leaves libtpu
+alone), or use it inside the `%%xla_spawn` cells instead. If the kernel already
+holds libtpu, restart the runtime. This cell tells you where you stand:
+'''),
+        code(LIBTPU_IN_KERNEL),
+        md(f'''
+### Out of host memory when every rank loads a model
+
+Every rank is its own copy of the program, so a model that each rank loads into
+host memory is in memory once per rank at the same time. When the host runs
+out, Linux's out-of-memory killer picks a rank: xla_magic fails the cell
+at once, stops the other ranks, and reports the rank as killed by `SIGKILL`,
+"usually the host ran out of memory". It never leaves processes holding the TPU.
+
+{service["host_memory"]} To stay within it, load one rank at a time and move
+the weights to the device before the next rank loads (below), load in a smaller
+dtype, or have only rank 0 read the checkpoint and `strategy.broadcast` it.
+'''),
+        code(STAGGERED_LOAD),
+        code(STAGGERED_LOAD_CELL),
+        md(service["pitfall_extra"]),
+        md('''
+### The kernel used the XLA device
+
+If a cell outside `%%xla_spawn` touches an XLA device (`xm.xla_device()`,
+`torch_xla.device()`, `.to("xla")`), the kernel now owns the runtime and no
+process can be spawned on the TPU any more. xla_magic refuses to launch then,
+saying so, instead of failing deep inside torch_xla. Restart the runtime and keep
+every use of torch_xla inside `%%xla_spawn` cells. This notebook's kernel is
+still clean:
+'''),
+        code(KERNEL_XLA_FREE),
+    ]
+
+
+NOTEBOOKS = {
+    "quickstart.ipynb": lambda: QUICKSTART,
+    "colab_tpu.ipynb": lambda: tpu_notebook(COLAB),
+    "kaggle_tpu.ipynb": lambda: tpu_notebook(KAGGLE),
+}
+
+
+def build(name: str) -> nbformat.NotebookNode:
+    notebook = new_notebook(cells=NOTEBOOKS[name]())
+    notebook.metadata["kernelspec"] = KERNELSPEC
+    notebook.metadata["language_info"] = {"name": "python"}
+    if name != "quickstart.ipynb":
+        notebook.metadata["accelerator"] = "TPU"
+    return notebook
+
+
+def execute(notebook: nbformat.NotebookNode) -> None:
+    from nbclient import NotebookClient
+
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--execute", action="store_true", help="run quickstart and keep its outputs")
+    args = parser.parse_args(argv)
+    for name in NOTEBOOKS:
+        notebook = build(name)
+        if args.execute and name == "quickstart.ipynb":
+            execute(notebook)
+        nbformat.validate(notebook)
+        nbformat.write(notebook, HERE / name)
+        print("wrote", HERE / name, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

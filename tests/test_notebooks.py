@@ -1,0 +1,197 @@
+"""The notebooks, through real Jupyter kernels on the CPU simulation.
+
+The quickstart runs top to bottom and its outputs are checked. The Colab and
+Kaggle notebooks cannot reach a TPU here: every code cell must compile, and
+every cell that needs neither a TPU nor an install runs on the simulation,
+with the stale TPU variables of those services set in the kernel.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from IPython.core.inputtransformer2 import TransformerManager
+from IPython.core.magic_arguments import parse_argstring
+from nbclient import NotebookClient
+
+from xla_magic.magics import XlaMagics
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+TPU_NOTEBOOKS = ["colab_tpu.ipynb", "kaggle_tpu.ipynb"]
+SKIPPED_OFF_TPU = {"install", "needs-tpu"}
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("build_notebooks", NOTEBOOKS / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read(name: str) -> nbformat.NotebookNode:
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(notebook)
+    return notebook
+
+
+def tags(cell: nbformat.NotebookNode) -> set[str]:
+    return set(cell.get("metadata", {}).get("tags", []))
+
+
+def execute(notebook: nbformat.NotebookNode, **env: str) -> nbformat.NotebookNode:
+    """Run every cell in a fresh kernel of this environment, in notebooks/."""
+    client = NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    )
+    client.execute(env={**os.environ, **env})
+    return notebook
+
+
+def cell_with(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
+    found = [cell for cell in notebook.cells if cell.cell_type == "code" and fragment in cell.source]
+    assert len(found) == 1, f"expected one code cell containing {fragment!r}, found {len(found)}"
+    return found[0]
+
+
+def stdout(cell: nbformat.NotebookNode) -> str:
+    return "".join(out.text for out in cell.outputs if out.output_type == "stream" and out.name == "stdout")
+
+
+def result(cell: nbformat.NotebookNode) -> str:
+    values = [out.data["text/plain"] for out in cell.outputs if out.output_type == "execute_result"]
+    assert values, f"no result from cell:\n{cell.source}"
+    return values[0]
+
+
+def no_errors(notebook: nbformat.NotebookNode) -> None:
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and "raises-exception" not in tags(cell):
+            errors = [out for out in cell.outputs if out.output_type == "error"]
+            assert not errors, f"cell failed: {cell.source[:80]!r}: {errors[0].ename}: {errors[0].evalue}"
+
+
+# --- the committed files are the builder's ---------------------------------------
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", *TPU_NOTEBOOKS])
+def test_committed_notebook_is_what_build_writes(name):
+    built = load_builder().build(name)
+    committed = read(name)
+    shape = lambda nb: [(c.cell_type, c.source, sorted(tags(c))) for c in nb.cells]  # noqa: E731
+    assert shape(committed) == shape(built), f"notebooks/{name} is stale: run python notebooks/build.py --execute"
+
+
+# --- quickstart: runs, and shows what it promises --------------------------------
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    notebook = read("quickstart.ipynb")
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []  # what the committed copy shows must not count
+    return execute(notebook)
+
+
+def test_quickstart_says_hello_from_every_rank(quickstart):
+    hello = cell_with(quickstart, "hello from rank")
+    for rank in range(8):
+        assert f"[rank {rank}] hello from rank {rank} of 8, on xla:0" in stdout(hello)
+    assert result(hello) == repr([3.0 * rank for rank in range(8)])
+    assert "total: 84.0" in stdout(cell_with(quickstart, "sums by rank"))
+
+
+def test_quickstart_training_converges_on_every_rank(quickstart):
+    training = stdout(cell_with(quickstart, "--out weights"))
+    losses = [float(loss) for loss in re.findall(r"^\[rank 0\] step +\d+  loss ([\d.]+)$", training, re.MULTILINE)]
+    assert len(losses) == 4, training
+    assert losses == sorted(losses, reverse=True) and losses[-1] < 1e-3, losses
+    assert "[rank 1]" not in training  # only rank 0 reports
+    check = stdout(cell_with(quickstart, "all with the same weights"))
+    assert "4 ranks, all with the same weights: True" in check
+    learned = ast.literal_eval(re.search(r"learned: (\[.*\])", check).group(1))
+    assert learned == pytest.approx([2.0, -3.0, 0.5, 1.0], abs=1e-2)
+
+
+def test_quickstart_shows_a_failing_rank(quickstart):
+    failing = cell_with(quickstart, "found bad data")
+    errors = [out for out in failing.outputs if out.output_type == "error"]
+    assert [error.ename for error in errors] == ["RankError"]
+    shown = "\n".join(errors[0].traceback)
+    assert "[rank 1]" in shown and "ValueError: rank 1 found bad data" in shown
+    assert "[rank 0]" not in shown
+
+
+def test_quickstart_runs_clean_and_leaves_the_kernel_xla_free(quickstart):
+    no_errors(quickstart)
+    assert "torch_xla imported in this kernel: False" in stdout(cell_with(quickstart, "torch_xla imported"))
+
+
+# --- Colab and Kaggle: compile everything, run what needs no TPU -----------------
+
+
+def spawn_line_and_body(source: str) -> tuple[str, str] | None:
+    first, _, body = source.partition("\n")
+    if not first.startswith("%%xla_spawn"):
+        return None
+    return first[len("%%xla_spawn") :], body
+
+
+@pytest.mark.parametrize("name", TPU_NOTEBOOKS)
+def test_tpu_notebook_code_compiles(name):
+    transformer = TransformerManager()
+    cells = [cell for cell in read(name).cells if cell.cell_type == "code"]
+    assert cells
+    for cell in cells:
+        python = transformer.transform_cell(cell.source)
+        compile(python, f"<{name}>", "exec")
+        spawn = spawn_line_and_body(cell.source)
+        if spawn is not None:
+            line, body = spawn
+            parse_argstring(XlaMagics.xla_spawn, line)  # the options are valid
+            compile(transformer.transform_cell(body), f"<{name} %%xla_spawn>", "exec")
+
+
+@pytest.mark.parametrize("name", TPU_NOTEBOOKS)
+def test_tpu_notebook_install_cell_keeps_the_runtime(name):
+    install = [cell for cell in read(name).cells if "install" in tags(cell)]
+    assert len(install) == 1
+    source = install[0].source
+    assert "--no-deps" in source and "assert after == before" in source
+    for package in ("torch", "torch_xla", "libtpu"):
+        assert f'"{package}"' in source
+
+
+@pytest.mark.parametrize("name", TPU_NOTEBOOKS)
+def test_tpu_notebook_runs_on_the_simulation(name):
+    notebook = read(name)
+    skipped = [cell for cell in notebook.cells if tags(cell) & SKIPPED_OFF_TPU]
+    assert len(skipped) == 2  # the install cell and the device-memory cell
+    notebook.cells = [cell for cell in notebook.cells if not tags(cell) & SKIPPED_OFF_TPU]
+    # What Kaggle and Colab images leave in the environment.
+    execute(notebook, TPU_PROCESS_ADDRESSES="localhost:8476", CLOUD_TPU_TASK_ID="0")
+    no_errors(notebook)
+
+    runtime = stdout(cell_with(notebook, "probe.find_tpu()"))
+    assert "TPU: none found" in runtime
+    assert "TPU_PROCESS_ADDRESSES = 'localhost:8476'" in runtime  # the kernel keeps its own
+    layout = stdout(cell_with(notebook, "len(set(layout))"))
+    assert "8 ranks = 8 processes x 1 thread(s) each" in layout
+    stale = ast.literal_eval(result(cell_with(notebook, "{name: os.environ.get(name)")))
+    assert stale == [{"TPU_PROCESS_ADDRESSES": None, "CLOUD_TPU_TASK_ID": None}]
+    assert "8 ranks, all with the same weights: True" in stdout(cell_with(notebook, "all with the same weights"))
+    libtpu = stdout(cell_with(notebook, "kernel_holds_libtpu()"))
+    assert "libtpu loaded in this kernel: False" in libtpu
+    loaded = ast.literal_eval(result(cell_with(notebook, "--out loaded")))
+    assert loaded == [256 * 256 + 256 + 256 * 10 + 10] * 8
+    assert "torch_xla imported in this kernel: False" in stdout(cell_with(notebook, "torch_xla imported"))

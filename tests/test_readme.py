@@ -1,0 +1,154 @@
+"""The README against the code: options, in-cell names, strategy, error messages.
+
+Runs in the test process, with the shared IPython shell; nothing here starts
+ranks. Each check reads the code's own source of truth (the magics' parsers,
+the strategy class, the known-problem table), so the README cannot drift.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def section(title: str) -> str:
+    """The README text under the '## title' heading, up to the next '## '."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", readme(), re.MULTILINE | re.DOTALL)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    spec = importlib.util.spec_from_file_location("magic_reference", ROOT / "docs" / "magic_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_opens_with_the_two_commands():
+    lines = [line for line in readme().splitlines() if line.strip()]
+    assert lines[0].startswith("# ")
+    assert lines[1] == "```bash"
+    assert lines[2].startswith("make demo")
+    assert lines[3].startswith("make test")
+
+
+def test_magic_reference_matches_the_magics(ip, reference):
+    current = reference.section_in(readme())
+    assert current is not None, "README.md lost its magic-reference markers"
+    assert current == reference.render(ip), (
+        "README.md's 'Magics and options' is stale: run python docs/magic_reference.py"
+    )
+
+
+def test_every_option_of_every_magic_is_in_the_readme(ip, reference):
+    text = section("Magics and options")
+    magics = reference.xla_magics(ip)
+    assert "xla_spawn" in magics
+    for name, (prefix, function) in magics.items():
+        assert f"`{prefix}{name}`" in text, f"{prefix}{name} is not documented"
+        parser = getattr(function, "parser", None)
+        for action in reference.options(parser) if parser else []:
+            for flag in action.option_strings:
+                assert f"`{flag}`" in text, f"{prefix}{name} {flag} is not documented"
+            for choice in action.choices or ():
+                assert f"`{choice}`" in text, f"{prefix}{name} {action.dest}={choice} is not documented"
+
+
+def rank_strategy_members() -> set[str]:
+    """Public attributes of the rank's strategy, read from its source (no import)."""
+    tree = ast.parse((ROOT / "xla_magic" / "launcher" / "strategy.py").read_text(encoding="utf-8"))
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "RankStrategy")
+    members = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            members.add(node.name)
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for target in ast.walk(node):
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    if target.value.id == "self" and isinstance(target.ctx, ast.Store):
+                        members.add(target.attr)
+    return {name for name in members if not name.startswith("_")}
+
+
+def documented_strategy_members() -> set[str]:
+    """The names in the README's table headed | `strategy.` |."""
+    text = section("Inside a cell")
+    table = re.search(r"^\| `strategy\.` \|.*?\n\n", text, re.MULTILINE | re.DOTALL)
+    assert table, "README's 'Inside a cell' has no | `strategy.` | table"
+    return set(re.findall(r"^\| `(\w+)[(`]", table.group(0), re.MULTILINE))
+
+
+def test_strategy_table_matches_the_rank_strategy():
+    code, documented = rank_strategy_members(), documented_strategy_members()
+    assert code - documented == set(), f"add these to the README's strategy table: {sorted(code - documented)}"
+    assert documented - code == set(), f"the README documents strategy members that do not exist: {sorted(documented - code)}"
+
+
+def test_in_cell_names_are_documented():
+    text = section("Inside a cell")
+    for name in ("rank", "world_size", "device", "strategy"):
+        assert f"| `{name}` |" in text
+
+
+def troubleshooting_messages() -> list[str]:
+    """Headings of the form ### `message`: an error message a user may see."""
+    return re.findall(r"^### `([^`]+)`$", section("Troubleshooting"), re.MULTILINE)
+
+
+# Messages of other tools, listed because users meet them before they switch.
+OTHER_TOOLS = ("Can't get attribute '_mp_fn'", "Unsupported nprocs")
+
+
+def source_text() -> str:
+    return "\n".join(path.read_text(encoding="utf-8") for path in sorted((ROOT / "xla_magic").rglob("*.py")))
+
+
+def fragments(message: str) -> list[str]:
+    """The literal runs of a message: what stays once example values are cut out."""
+    parts = re.split(r"'[^']*'|\([^)]*\)|\d+(?:\.\d+)?G?|/dev/\S+|strategy\.\w+|: |, so ", message)
+    return [part.strip(" :,.") for part in parts if len(part.strip(" :,.").split()) >= 2]
+
+
+def test_each_troubleshooting_message_is_real():
+    from xla_magic.display import known_problem
+
+    source = source_text()
+    messages = troubleshooting_messages()
+    assert len(messages) >= 8
+    for message in messages:
+        if known_problem(message) or any(tool in message for tool in OTHER_TOOLS):
+            continue
+        pieces = fragments(message)
+        assert pieces, f"no literal text to check in {message!r}"
+        for piece in pieces:
+            assert piece in source, f"README troubleshooting quotes {message!r}, but xla_magic never says {piece!r}"
+
+
+def test_each_known_problem_is_in_troubleshooting():
+    from xla_magic.display import KNOWN_PROBLEMS
+
+    messages = troubleshooting_messages()
+    for pattern, advice in KNOWN_PROBLEMS:
+        assert any(re.search(pattern, message, re.IGNORECASE) for message in messages), (
+            f"README troubleshooting has no message for the known problem {pattern!r} ({advice[:60]}...)"
+        )
+
+
+def test_local_links_resolve():
+    for target in re.findall(r"\]\(([^)#]+)\)", readme()):
+        if "://" in target:
+            continue
+        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
