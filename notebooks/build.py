@@ -46,19 +46,15 @@ DATA = '''
 import torch  # the kernel may use torch freely; it never imports torch_xla
 
 true_weights = [2.0, -3.0, 0.5, 1.0]  # three slopes and a bias
-features = torch.randn(512, 3, generator=torch.Generator().manual_seed(0))
-targets = (features @ torch.tensor(true_weights[:3]) + true_weights[3]).unsqueeze(1)
+generator = torch.Generator().manual_seed(0)
+features = torch.randn(512, 3, generator=generator)
+noise = 0.1 * torch.randn(512, generator=generator)
+targets = (features @ torch.tensor(true_weights[:3]) + true_weights[3] + noise).unsqueeze(1)
 
 
 def shard(tensor, rank, world_size):
     """This rank's share of the rows: every rank trains on different data."""
     return tensor[rank::world_size]
-
-
-def average_gradients(model):
-    """Replace each gradient by its mean over all ranks, so every rank takes the same step."""
-    for parameter in model.parameters():
-        parameter.grad = strategy.all_gather(parameter.grad).mean(dim=0)
 '''
 
 # The magic line is filled in per notebook: the quickstart names a device
@@ -67,6 +63,7 @@ TRAIN = '''
 %%xla_spawn{options} --out weights
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 
 model = torch.nn.Linear(3, 1).to(device)
 with torch.no_grad():  # the same start on every rank (no shared random state needed)
@@ -80,11 +77,10 @@ for step in range(40):
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
-    average_gradients(model)
-    optimizer.step()
+    xm.optimizer_step(optimizer)  # average the gradients over all ranks, then step
     torch_xla.sync()  # run the step's graph now
     if step % 10 == 0:
-        mean_loss = strategy.all_gather(loss.detach()).mean()
+        mean_loss = strategy.reduce(loss.detach(), reduce_op="mean")
         if strategy.is_global_zero:
             print(f"step {{step:2d}}  loss {{mean_loss.item():.5f}}")
 
@@ -160,19 +156,18 @@ print("total:", sum(sums))
 A `%%xla_spawn` cell can use the variables, functions and classes you defined
 in the notebook: xla_magic finds the names the cell reads and ships them to the
 ranks (functions by value, so you can edit and re-run them). Here: a data set,
-a function that gives each rank its share of it, and one that averages
-gradients across ranks. `strategy`, `rank` and friends inside those functions
-mean the calling rank's.
+and a function that gives each rank its share of it.
 '''),
     code(DATA),
     md('''
 ## A small data-parallel training run
 
-Four ranks fit a linear model, each on its own quarter of the data. After every
-backward pass the gradients are averaged across ranks, so all ranks take the
-same step and end with the same weights: the usual data parallelism, with
-`strategy.all_gather` doing the communication (on a TPU it is torch_xla's
-`all_gather`; in the simulation it travels over gloo).
+Four ranks fit a linear model, each on its own quarter of the data. The loop is
+plain torch_xla training code: `xm.optimizer_step` averages the gradients over
+all ranks before each step, so every rank takes the same step and ends with the
+same weights. On a TPU that is torch_xla's all-reduce; in the simulation the
+same call travels between the rank processes over gloo. `strategy.reduce`
+averages the loss for the report.
 '''),
     train_cell(" --devices 4"),
     code(TRAIN_CHECK),
@@ -497,8 +492,8 @@ where there is none). Here one rank reports its device's memory.
 ## The training example, on the TPU
 
 The same small data-parallel run as in the quickstart, now on every TPU device:
-each rank trains on its own share of the data and gradients are averaged
-across ranks with `strategy.all_gather` (torch_xla's `all_gather` here).
+each rank trains on its own share of the data and `xm.optimizer_step`
+averages the gradients across ranks with torch_xla's all-reduce.
 '''),
         code(DATA),
         train_cell(""),

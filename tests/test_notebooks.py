@@ -115,12 +115,12 @@ def test_quickstart_training_converges_on_every_rank(quickstart):
     training = stdout(cell_with(quickstart, "--out weights"))
     losses = [float(loss) for loss in re.findall(r"^\[rank 0\] step +\d+  loss ([\d.]+)$", training, re.MULTILINE)]
     assert len(losses) == 4, training
-    assert losses == sorted(losses, reverse=True) and losses[-1] < 1e-3, losses
+    assert losses == sorted(losses, reverse=True) and losses[-1] < 0.02, losses  # the noise is 0.01
     assert "[rank 1]" not in training  # only rank 0 reports
     check = stdout(cell_with(quickstart, "all with the same weights"))
     assert "4 ranks, all with the same weights: True" in check
     learned = ast.literal_eval(re.search(r"learned: (\[.*\])", check).group(1))
-    assert learned == pytest.approx([2.0, -3.0, 0.5, 1.0], abs=1e-2)
+    assert learned == pytest.approx([2.0, -3.0, 0.5, 1.0], abs=2e-2)
 
 
 def test_quickstart_shows_a_failing_rank(quickstart):
