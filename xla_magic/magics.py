@@ -9,10 +9,10 @@ import argparse
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import payload, probe
+from xla_magic import payload, probe, widget
 from xla_magic.session import RunSpec, Session
 
 
@@ -94,6 +94,20 @@ class XlaMagics(Magics):
         if args.out:
             self.shell.user_ns[args.out] = results
         return results
+
+    @magic_arguments()
+    @argument("--text", action="store_true", help="print the facts as text, even in a notebook")
+    @line_magic
+    def xla_status(self, line: str) -> None:
+        """Show devices, the kernel's XLA state, the launcher, the pool and the ranks.
+
+        In a notebook this is a live ipywidgets panel: the ranks of the running
+        (or last) cell with their state, elapsed time, lines, last line and
+        device memory, the recent runs, and buttons to interrupt the run and
+        stop the pool. Elsewhere it prints the same facts as text.
+        """
+        args = parse_argstring(self.xla_status, line)
+        widget.show_status(self.session, self.shell, text=args.text)
 
 
 def _in_notebook(shell: Any) -> bool:

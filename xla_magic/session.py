@@ -28,6 +28,7 @@ READY_TIMEOUT = 300.0
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 STOP_GRACE = 1.5  # between SIGINT, SIGTERM and SIGKILL
 DRAIN_TIMEOUT = 3.0  # reading what is left once the processes are gone
+TICK_INTERVAL = 0.5  # how often listeners hear of a running cell with no news
 
 
 def private_dir() -> str:
@@ -197,6 +198,9 @@ class RunRecord:
     duration: float | None = None
     outcome: str = "running"
     ranks: dict[int, RankState] = field(default_factory=dict)
+    # Set from any thread (the status panel's Interrupt button); the run
+    # stops as if the notebook's stop button had been pressed.
+    interrupt_requested: bool = False
 
 
 @dataclass
@@ -297,7 +301,10 @@ class Run:
                     raise self._error(f"timed out after {self.spec.timeout:g} s (--timeout); the ranks were stopped")
                 if not self.supervisor_open and self._drained_long_enough():
                     break
+                if self.record.interrupt_requested:
+                    raise KeyboardInterrupt
                 self._pump(0.1)
+                self._tick()
         except KeyboardInterrupt:
             self._stop("interrupt", first_signal=signal.SIGINT)
             self._finish("interrupted")
@@ -317,6 +324,15 @@ class Run:
         if not self.spec.payload.has_result:
             return None
         return [self.results.get(rank) for rank in range(self.spec.devices)]
+
+    _last_tick = 0.0
+
+    def _tick(self) -> None:
+        """Let listeners show lines and elapsed time, at most every TICK_INTERVAL."""
+        now = time.monotonic()
+        if now - self._last_tick >= TICK_INTERVAL:
+            self._last_tick = now
+            self.on_update(self.record)
 
     def _open_conns(self) -> bool:
         return bool(self.selector.get_map())
@@ -464,10 +480,16 @@ class Run:
 
     # -- bookkeeping -----------------------------------------------------
 
+    _lines_counted = 0
+
     def _on_line(self, rank: int, stream: str, line: str) -> None:
+        # Called once per batch of complete lines with the batch's last line;
+        # the output's running total says how many lines the batch held.
+        batch = self.output.lines - self._lines_counted
+        self._lines_counted = self.output.lines
         state = self.record.ranks.get(rank)
         if state is not None:
-            state.lines += 1
+            state.lines += batch
             state.last_line = line
 
     def _rank_state(self, rank: int, value: str) -> None:

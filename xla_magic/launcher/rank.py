@@ -13,6 +13,7 @@ import linecache
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 import types
@@ -94,6 +95,67 @@ def bind_rank_names(namespace: dict[str, Any], rank_names: dict[str, Any]) -> No
                     globals_dict.setdefault(name, rank_value)
 
 
+def device_memory(device: Any) -> dict[str, int] | None:
+    """The runtime's memory figures for ``device``; None where it reports none.
+
+    TPU runtimes report ``bytes_used``, ``bytes_limit`` and ``peak_bytes_used``;
+    the CPU runtime answers UNIMPLEMENTED.
+    """
+    if device is None:
+        return None
+    try:
+        import torch_xla.core.xla_model as xm
+
+        info = xm.get_memory_info(device)
+    except Exception:  # RuntimeError (UNIMPLEMENTED) on CPU; anything from other builds
+        return None
+    figures = {key: int(value) for key, value in dict(info).items() if isinstance(value, (int, float))}
+    return figures or None
+
+
+class MemoryReporter:
+    """Sends the device's memory in STATUS events while the cell runs.
+
+    A sampling thread runs only where the runtime reports memory at all; it
+    stops, with one last sample (the peak), before the rank reports DONE.
+    """
+
+    INTERVAL = 2.0
+
+    def __init__(self, channel: protocol.Channel, device: Any) -> None:
+        self.channel = channel
+        self.device = device
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> dict[str, int] | None:
+        memory = device_memory(self.device)
+        if memory is not None:
+            self._thread = threading.Thread(target=self._sample, name="xla_magic-memory", daemon=True)
+            self._thread.start()
+        return memory
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._send()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            self._send()
+
+    def _send(self) -> None:
+        memory = device_memory(self.device)
+        if memory is not None:
+            try:
+                self.channel.send(protocol.STATUS, state="running", memory=memory)
+            except OSError:  # the kernel stopped listening; the run is over
+                self._stop.set()
+
+
 def run_cell(job: CellJob, namespace: dict[str, Any]) -> Any:
     """Execute the cell in ``namespace``; the value of its last expression."""
     tree = ast.parse(job.source, filename=job.filename)
@@ -143,6 +205,7 @@ def execute(
     channel = protocol.Channel(sockets.events)
     started = time.monotonic()
     ok = False
+    memory: MemoryReporter | None = None
     results_to: transport.SegmentWriter | None = None
     try:
         channel.send(protocol.STATUS, state="starting", pid=os.getpid())
@@ -156,7 +219,8 @@ def execute(
                 results_to = transport.SegmentWriter(segment_prefix, f"r{rank}")
             namespace.update(rank_names)
             bind_rank_names(namespace, rank_names)
-            channel.send(protocol.STATUS, state="running")
+            memory = MemoryReporter(channel, rank_names.get("device"))
+            channel.send(protocol.STATUS, state="running", memory=memory.start())
             value = run_cell(job, namespace)
             closing()
         except BaseException as exc:  # the user's code may raise anything at all
@@ -167,6 +231,8 @@ def execute(
             _send_result(channel, value if job.has_result else None, job.has_result, results_to)
             ok = True
     finally:
+        if memory is not None:
+            memory.stop()
         capture.flush_all()
         channel.send(protocol.DONE, seconds=time.monotonic() - started)
     return ok

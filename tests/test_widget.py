@@ -1,0 +1,205 @@
+"""%xla_status through a real IPython shell: the panel's model state after real runs.
+
+The panel's widgets hold their state as HTML and button flags; the rows are
+read back with a small HTML parser. The browser test (test_browser.py)
+checks what a person sees.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from html.parser import HTMLParser
+
+import pytest
+
+from conftest import kernel_is_xla_free
+from xla_magic import widget
+from xla_magic.display import RankError, RunInterrupted
+from xla_magic.session import RankState, RunRecord, Session
+
+
+class Rows(HTMLParser):
+    """The data-* attributes and cell texts of every <tr> with a class."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.rows: list[dict[str, object]] = []
+        self._row: dict[str, object] | None = None
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "tr" and "class" in attrs:
+            self._row = {"class": attrs["class"], "cells": [], **{k[5:]: v for k, v in attrs.items() if k.startswith("data-")}}
+            self.rows.append(self._row)
+        elif tag == "td" and self._row is not None:
+            self._row["cells"].append("")
+
+    def handle_data(self, data):
+        if self._row is not None and self._row["cells"]:
+            self._row["cells"][-1] += data
+
+    def handle_endtag(self, tag):
+        if tag == "tr":
+            self._row = None
+
+
+def rank_rows(panel: widget.StatusPanel) -> list[dict[str, object]]:
+    return [row for row in Rows(panel.ranks.value).rows if row["class"] == "xla-rank"]
+
+
+def history_rows(panel: widget.StatusPanel) -> list[dict[str, object]]:
+    return [row for row in Rows(panel.history.value).rows if row["class"] == "xla-history"]
+
+
+@pytest.fixture
+def panel(ip):
+    return widget.status_panel(ip._xla_magic_session)
+
+
+def test_text_outside_a_notebook_says_how_to_get_the_widget(ip, spawn):
+    spawn("--devices 2", "print('warm', rank)")
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        ip.run_line_magic("xla_status", "")
+    text = captured.stdout
+    assert "CPU simulation, 8 devices" in text
+    assert "kernel is XLA-free" in text
+    assert "torch_xla 2.9" in text
+    assert "Launcher: running, pid" in text
+    assert "pip install ipywidgets" in text
+    run = ip._xla_magic_session.history[-1]
+    assert f"Ranks of run {run.run_id}: 2 devices, cpu backend, done" in text
+    assert "warm 1" in text
+    assert kernel_is_xla_free()
+
+
+def test_panel_after_a_run_that_succeeds(ip, spawn, panel):
+    spawn("--devices 2", "for i in range(3):\n    print('step', i, 'of rank', rank)\nrank")
+    run = ip._xla_magic_session.history[-1]
+    rows = rank_rows(panel)
+    assert [row["state"] for row in rows] == ["done", "done"]
+    for rank, row in enumerate(rows):
+        assert row["cells"][3] == "3"  # lines written
+        assert row["cells"][5] == f"step 2 of rank {rank}"  # last line
+        assert row["cells"][4] == "-"  # the CPU runtime reports no device memory
+    assert "the CPU runtime does not report it" in panel.ranks.value
+    assert f'data-outcome="done"' in panel.ranks.value
+    assert history_rows(panel)[0]["run"] == str(run.run_id)
+    assert history_rows(panel)[0]["cells"][1] == "for i in range(3):"
+    assert panel.interrupt.disabled
+    assert "kernel is XLA-free" in panel.facts.value
+    assert "torch_xla 2.9" in panel.facts.value
+    assert kernel_is_xla_free()
+
+
+def test_panel_after_a_run_that_fails(ip, spawn, panel):
+    cell = "import time\nif rank == 1:\n    raise ValueError('bad shard')\ntime.sleep(30)"
+    with pytest.raises(RankError, match="bad shard"):
+        spawn("--devices 2", cell)
+    states = {int(row["rank"]): row["state"] for row in rank_rows(panel)}
+    assert states == {0: "killed", 1: "failed"}
+    assert 'data-outcome="failed"' in panel.ranks.value
+    assert history_rows(panel)[0]["outcome"] == "failed"
+    assert panel.interrupt.disabled
+
+
+def test_interrupt_button_stops_the_run_and_the_panel_shows_it(ip, spawn, panel):
+    session = ip._xla_magic_session
+    seen_running: list[str] = []
+
+    def press_when_running(record: RunRecord) -> None:
+        # Called from the running cell's own loop, after the panel redrew.
+        if record.outcome == "running" and all(s.state == "running" and s.lines for s in record.ranks.values()):
+            if not seen_running:
+                seen_running.append(panel.ranks.value)
+                assert not panel.interrupt.disabled
+                panel.interrupt.click()
+
+    session.listeners.append(press_when_running)
+    try:
+        with pytest.raises(RunInterrupted):
+            spawn("--devices 2", "import time\nprint('working', rank, flush=True)\nwhile True:\n    time.sleep(0.05)")
+    finally:
+        session.listeners.remove(press_when_running)
+    assert seen_running, "the panel never showed the ranks running"
+    assert seen_running[0].count('data-state="running"') == 2
+    assert "working 0" in seen_running[0]
+    assert {row["state"] for row in rank_rows(panel)} == {"killed"}
+    assert 'data-outcome="interrupted"' in panel.ranks.value
+    assert history_rows(panel)[0]["outcome"] == "interrupted"
+    assert panel.interrupt.disabled
+    assert spawn("--devices 2", "rank").value == [0, 1]  # the next cell works
+
+
+def test_panel_follows_new_runs_after_listeners_were_cleared(ip, spawn, panel):
+    session = ip._xla_magic_session
+    session.listeners.remove(panel.on_record)
+    again = widget.status_panel(session)
+    assert again is panel and panel.on_record in session.listeners
+    spawn("--devices 2", "rank")
+    assert history_rows(panel)[0]["run"] == str(session.history[-1].run_id)
+
+
+def test_ranks_report_no_device_memory_on_cpu(spawn):
+    run = spawn("--devices 2", "from xla_magic.launcher.rank import device_memory\ndevice_memory(device)")
+    assert run.value == [None, None]
+
+
+def test_memory_figures_are_shown_where_the_runtime_reports_them():
+    state = RankState(state="running", memory={"bytes_used": 3 << 30, "bytes_limit": 16 << 30, "peak_bytes_used": 5 << 29})
+    record = RunRecord(1, "x = 1", "tpu", 1, ranks={0: state})
+    html = widget.ranks_html(record)
+    assert "3.0 GiB of 16.0 GiB, peak 2.5 GiB" in html
+    assert "device memory" not in html
+    assert widget.format_memory(None) == "-"
+
+
+def test_pool_row_and_stop_pool_button():
+    class StandInPool:  # the shape %xla_pool's pool offers the panel
+        def __init__(self) -> None:
+            self.stopped = False
+
+        def describe(self) -> str:
+            return "4 ranks, idle" if not self.stopped else "stopped"
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    session = Session()
+    panel = widget.StatusPanel(session)
+    assert panel.stop_pool.disabled
+    assert "none (%xla_pool start" in panel.facts.value
+    session.pool = StandInPool()
+    panel.redraw()
+    assert not panel.stop_pool.disabled
+    assert "4 ranks, idle" in panel.facts.value
+    panel.stop_pool.click()
+    assert session.pool.stopped
+    assert "pool stopped" in panel.message.value
+    assert ">stopped<" in panel.facts.value
+
+
+def test_badge_turns_red_when_the_kernel_holds_an_xla_runtime():
+    # A separate process plays a kernel that used the XLA device directly.
+    script = textwrap.dedent(
+        """
+        import torch, torch_xla
+        torch.ones(1, device=torch_xla.device()).cpu()
+        from xla_magic import widget
+        fact = widget.kernel_fact()
+        print(fact.alarm, fact.kind)
+        print(widget.facts_html([fact]))
+        """
+    )
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, html = done.stdout.split("\n", 1)
+    assert first == "True held"
+    assert "kernel holds an XLA runtime" in html and "Restart the kernel" in html
+    assert "#c62828" in html
