@@ -162,13 +162,13 @@ def test_memory_figures_are_shown_where_the_runtime_reports_them():
 def test_pool_row_and_stop_pool_button():
     class StandInPool:  # the shape %xla_pool's pool offers the panel
         def __init__(self) -> None:
-            self.stopped = False
+            self.state = "ready"
 
         def describe(self) -> str:
-            return "4 ranks, idle" if not self.stopped else "stopped"
+            return "4 ranks, idle" if self.state != "stopped" else "stopped"
 
         def stop(self) -> None:
-            self.stopped = True
+            self.state = "stopped"
 
     session = Session()
     panel = widget.StatusPanel(session)
@@ -179,9 +179,10 @@ def test_pool_row_and_stop_pool_button():
     assert not panel.stop_pool.disabled
     assert "4 ranks, idle" in panel.facts.value
     panel.stop_pool.click()
-    assert session.pool.stopped
+    assert session.pool.state == "stopped"
     assert "pool stopped" in panel.message.value
     assert ">stopped<" in panel.facts.value
+    assert panel.stop_pool.disabled
 
 
 def test_badge_turns_red_when_the_kernel_holds_an_xla_runtime():

@@ -156,6 +156,10 @@ def _readable(launcher: Launcher) -> bool:
     return bool(ready)
 
 
+def pool_running(pool: Any) -> bool:
+    return pool is not None and getattr(pool, "state", None) != "stopped"
+
+
 def pool_fact(pool: Any) -> Fact:
     if pool is None:
         return Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")
@@ -379,7 +383,7 @@ class StatusPanel:
         self.history.value = history_html(snap.history)
         running = snap.run is not None and snap.run.outcome == "running"
         self.interrupt.disabled = not running or snap.run.interrupt_requested
-        self.stop_pool.disabled = getattr(self.session, "pool", None) is None
+        self.stop_pool.disabled = not pool_running(getattr(self.session, "pool", None))
         notes = [self._notice]
         if running and snap.run.interrupt_requested:
             notes.append("interrupt requested: stopping the ranks")
