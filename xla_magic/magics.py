@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import payload, probe, widget
+from xla_magic import payload, pool as rank_pool, probe, widget
 from xla_magic.session import RunSpec, Session
 
 
@@ -59,6 +59,10 @@ class XlaMagics(Magics):
         "-t", "--timeout", type=seconds, default=None, metavar="SECONDS",
         help="stop the ranks (SIGINT, SIGTERM, SIGKILL) if the cell runs longer",
     )
+    @argument(
+        "--fresh", action="store_true",
+        help="while a pool runs, run this cell in newly spawned ranks instead of the pool's",
+    )
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -69,10 +73,24 @@ class XlaMagics(Magics):
         is shown live, each line tagged ``[rank N]``. The cell's value is the
         list of every rank's last expression, indexed by rank. The kernel never
         starts an XLA runtime, so the next cell can spawn again.
+
+        While a pool runs (``%xla_pool start``) the cell runs in the pool's
+        ranks, whose namespaces persist between cells; ``--fresh`` spawns.
         """
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
+        pool = rank_pool.current(self.session)
+        if pool is not None and not args.fresh:
+            results = rank_pool.run_cell(
+                self.session, cell, args.devices, args.backend, args.timeout,
+                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=_in_notebook(self.shell),
+            )
+            if args.out:
+                self.shell.user_ns[args.out] = results
+            return results
+        if pool is not None:
+            pool.check_fresh_allowed()
         try:
             placement = probe.place(args.backend, args.devices)
         except probe.PlacementError as exc:
@@ -108,6 +126,67 @@ class XlaMagics(Magics):
         """
         args = parse_argstring(self.xla_status, line)
         widget.show_status(self.session, self.shell, text=args.text)
+
+    @magic_arguments()
+    @argument(
+        "action", nargs="?", default="status", choices=("start", "stop", "restart", "push", "pull", "status"),
+        help="start, stop or restart the pool, push or pull names, or (default) show its state",
+    )
+    @argument("names", nargs="*", help="push: the notebook names to send; pull: the one name to fetch")
+    @argument(
+        "-n", "--devices", type=device_count, default=None,
+        help="start/restart: number of ranks (default: every TPU device, or 8 in the CPU simulation)",
+    )
+    @argument(
+        "-b", "--backend", default=None, choices=("auto", "tpu", "cpu"),
+        help="start/restart: tpu, cpu or auto (default: tpu where a TPU is found)",
+    )
+    @argument("-r", "--rank", type=int, default=None, help="pull: take the value of this rank only")
+    @line_magic
+    def xla_pool(self, line: str) -> None:
+        """Keep ranks alive between %%xla_spawn cells: a persistent pool.
+
+        ``%xla_pool start [--devices N] [--backend B]`` starts the ranks once;
+        later ``%%xla_spawn`` cells run in them, and each rank keeps its own
+        namespace, device and compiled graphs between cells (kernel variables a
+        cell reads are still shipped, when they changed). ``%xla_pool push
+        NAME...`` sends notebook values into every rank's namespace; ``%xla_pool
+        pull NAME [--rank R]`` stores the ranks' values (a list by rank, or rank
+        R's) in the notebook variable NAME. ``%xla_pool restart`` replaces the
+        ranks, ``%xla_pool stop`` ends them, and ``%xla_pool`` shows the state.
+        """
+        args = parse_argstring(self.xla_pool, line)
+        _check_pool_arguments(args)
+        live = _in_notebook(self.shell)
+        if args.action == "start":
+            rank_pool.start(self.session, args.devices, args.backend, live_lines=live)
+        elif args.action == "restart":
+            rank_pool.restart(self.session, args.devices, args.backend, live_lines=live)
+        elif args.action == "stop":
+            print("pool stopped" if rank_pool.stop(self.session) else "no pool is running")
+        elif args.action == "push":
+            rank_pool.push(self.session, args.names, self.shell.user_ns)
+        elif args.action == "pull":
+            self.shell.user_ns[args.names[0]] = rank_pool.pull(self.session, args.names[0], args.rank)
+        else:
+            print(rank_pool.describe(self.session))
+
+
+def _check_pool_arguments(args: argparse.Namespace) -> None:
+    if args.action in ("push", "pull"):
+        if not args.names:
+            raise UsageError(f"%xla_pool {args.action} needs a name, like %xla_pool {args.action} model")
+        bad = [name for name in args.names if not name.isidentifier()]
+        if bad:
+            raise UsageError(f"%xla_pool {args.action} takes variable names, not {', '.join(map(repr, bad))}")
+        if args.action == "pull" and len(args.names) > 1:
+            raise UsageError("%xla_pool pull takes one name at a time, like %xla_pool pull loss --rank 0")
+    elif args.names:
+        raise UsageError(f"%xla_pool {args.action} takes no names (only push and pull do)")
+    if args.rank is not None and args.action != "pull":
+        raise UsageError("--rank goes with %xla_pool pull only")
+    if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):
+        raise UsageError("--devices and --backend go with %xla_pool start and restart only")
 
 
 def _in_notebook(shell: Any) -> bool:

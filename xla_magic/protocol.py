@@ -34,6 +34,12 @@ STARTED = "started"
 SPAWNED = "spawned"
 EXIT = "exit"
 ENDED = "ended"
+# kernel -> pool rank, on the rank's events socket (see launcher/pool.py);
+# each carries a ``seq`` that the rank's RESULT, ERROR and DONE echo
+CELL = "cell"
+PUSH = "push"
+PULL = "pull"
+POOL_JOB = "pool"  # the ``mode`` of a JOB whose ranks serve requests until EOF
 # rank -> kernel
 OUTPUT = "output"
 RESULT = "result"

@@ -292,7 +292,7 @@ class Run:
         """Pump events until every rank is accounted for; results by rank."""
         deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
         try:
-            while self._open_conns():
+            while self._running():
                 if self.first_failure_at is not None and time.monotonic() - self.first_failure_at > FAIL_GRACE:
                     self._stop("failure", first_signal=signal.SIGTERM)
                     break
@@ -336,6 +336,11 @@ class Run:
 
     def _open_conns(self) -> bool:
         return bool(self.selector.get_map())
+
+    def _running(self) -> bool:
+        """Whether to keep waiting: a one-shot run lasts until its sockets close
+        (a pool run, see pool.py, until every rank said DONE)."""
+        return self._open_conns()
 
     def _drained_long_enough(self) -> bool:
         if not hasattr(self, "_supervisor_closed_at"):
@@ -547,6 +552,7 @@ class Session:
         self.run_count = 0
         self.history: list[RunRecord] = []
         self.listeners: list[Callable[[RunRecord], None]] = []
+        self.pool: Any = None  # the running xla_magic.pool.Pool, if any
 
     def ensure_launcher(self) -> Launcher:
         if self.launcher is None or not self.launcher.alive():
@@ -584,6 +590,9 @@ class Session:
                 pass
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
         if self.launcher is not None:
             self.launcher.stop()
             self.launcher = None

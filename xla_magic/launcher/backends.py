@@ -21,7 +21,7 @@ import traceback
 from typing import Any
 
 from xla_magic import protocol
-from xla_magic.launcher import lifetime, rank as rank_module, simulate, strategy as strategy_module
+from xla_magic.launcher import lifetime, pool as pool_module, rank as rank_module, simulate, strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -41,13 +41,7 @@ def supervise(job: dict[str, Any], fds: list[int]) -> None:
             rank_module.RankSockets(*(socket.socket(fileno=fd) for fd in fds[i : i + 3]))
             for i in range(1, len(fds), 3)
         ]
-        cell = rank_module.CellJob(
-            run_id=job["run_id"],
-            source=job["source"],
-            filename=job["filename"],
-            has_result=job["has_result"],
-            namespace=job["namespace"],
-        )
+        cell = None if job.get("mode") == protocol.POOL_JOB else _cell_job(job)
         if job["backend"] == "cpu":
             run_cpu(cell, ranks, supervisor)
         else:
@@ -62,6 +56,16 @@ def supervise(job: dict[str, Any], fds: list[int]) -> None:
         os._exit(code)
 
 
+def _cell_job(job: dict[str, Any]) -> rank_module.CellJob:
+    return rank_module.CellJob(
+        run_id=job["run_id"],
+        source=job["source"],
+        filename=job["filename"],
+        has_result=job["has_result"],
+        namespace=job["namespace"],
+    )
+
+
 def _rank_environment() -> None:
     for name in STALE_TPU_VARIABLES:
         os.environ.pop(name, None)
@@ -72,7 +76,7 @@ def _rank_environment() -> None:
 # --- cpu: the simulation --------------------------------------------------
 
 
-def run_cpu(cell: rank_module.CellJob, ranks: list[rank_module.RankSockets], supervisor: protocol.Channel) -> None:
+def run_cpu(cell: rank_module.CellJob | None, ranks: list[rank_module.RankSockets], supervisor: protocol.Channel) -> None:
     world_size = len(ranks)
     store = tempfile.mkdtemp(prefix="xla_magic-gloo-")
     try:
@@ -99,10 +103,14 @@ def _cpu_rank(
     rank: int,
     world_size: int,
     ranks: list[rank_module.RankSockets],
-    cell: rank_module.CellJob,
+    cell: rank_module.CellJob | None,
     store: str,
 ) -> None:
-    """A simulated device: one process, one XLA CPU device; never returns."""
+    """A simulated device: one process, one XLA CPU device; never returns.
+
+    With no ``cell`` it is a pool rank, serving requests until the kernel
+    closes its socket.
+    """
     code = 1
     try:
         lifetime.die_with_parent()
@@ -136,8 +144,11 @@ def _cpu_rank(
             strategy_module.activate(strategy)
             return {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
 
-        closing = strategy_module.closing_on_store(os.path.join(store, "closing"), cell.run_id, world_size)
-        ok = rank_module.execute(rank, ranks[rank], cell, setup, closing)
+        if cell is None:
+            ok = pool_module.serve(rank, ranks[rank], setup)
+        else:
+            closing = strategy_module.closing_on_store(os.path.join(store, "closing"), cell.run_id, world_size)
+            ok = rank_module.execute(rank, ranks[rank], cell, setup, closing)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()
@@ -148,7 +159,7 @@ def _cpu_rank(
 
 
 def run_tpu(
-    cell: rank_module.CellJob,
+    cell: rank_module.CellJob | None,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     cpu_threads: bool,
@@ -162,6 +173,9 @@ def run_tpu(
         nprocs = None
     else:
         nprocs = 1 if len(ranks) == 1 else None
+    if cell is None:
+        # Pool ranks: rank processes are forked from here and inherit the handler.
+        pool_module.install_interrupt_handler()
     supervisor.send(protocol.SPAWNED, pids={})
     try:
         xmp.spawn(_tpu_rank, args=(ranks, cell), nprocs=nprocs, start_method="fork")
@@ -171,8 +185,8 @@ def run_tpu(
         supervisor.send(protocol.ENDED, error=None)
 
 
-def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_module.CellJob) -> None:
-    """Called by xmp.spawn in each rank, process or thread."""
+def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_module.CellJob | None) -> None:
+    """Called by xmp.spawn in each rank, process or thread; with no ``cell``, a pool rank."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -187,5 +201,8 @@ def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_modul
         strategy_module.activate(strategy)
         return {"rank": index, "world_size": world_size, "device": device, "strategy": strategy}
 
-    rank_module.execute(index, ranks[index], cell, setup, strategy_module.closing_on_xla(cell.run_id))
+    if cell is None:
+        pool_module.serve(index, ranks[index], setup)
+    else:
+        rank_module.execute(index, ranks[index], cell, setup, strategy_module.closing_on_xla(cell.run_id))
     lifetime.flush_c_stdio()

@@ -1,0 +1,425 @@
+"""The persistent rank pool through a real IPython shell: real ranks, real signals, real crashes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from conftest import kernel_is_xla_free
+from xla_magic.display import RankError, RunInterrupted
+
+
+def pool_magic(ip, line: str) -> str:
+    with capture_output() as captured:
+        ip.run_line_magic("xla_pool", line)
+    return captured.stdout
+
+
+def pool_pids(ip) -> set[int]:
+    return set(ip._xla_magic_session.pool.pids.values())
+
+
+def gone(pids: set[int]) -> bool:
+    """Every one of ``pids`` has ended (waits for the exits already under way)."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def pool(ip):
+    """A 2-rank pool in the shared shell, always stopped afterwards."""
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        yield ip._xla_magic_session.pool
+    finally:
+        pool_magic(ip, "stop")
+        assert ip._xla_magic_session.pool is None
+
+
+@pytest.fixture
+def thread_pool(ip, monkeypatch):
+    """A 2-rank pool on the tpu launch path: xmp.spawn's rank threads on the CPU."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    pool_magic(ip, "start --devices 2 --backend tpu")
+    try:
+        yield ip._xla_magic_session.pool
+    finally:
+        pool_magic(ip, "stop")
+
+
+def interrupt_once_running(ranks: int) -> str:
+    """A folder; once ``ranks`` files are in it, SIGINT this process (the stop button)."""
+    folder = tempfile.mkdtemp(prefix="xla_magic-test-")
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while len(glob.glob(os.path.join(folder, "*"))) < ranks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return folder
+
+
+BUSY_UNTIL_INTERRUPTED = "open(f'{marks}/{rank}', 'w').close()\nwhile True:\n    spin = 1\n"
+
+
+# --- start, state, stop, restart -----------------------------------------------
+
+
+def test_start_state_restart_and_stop(ip, spawn):
+    assert "no pool is running" in pool_magic(ip, "")
+    shown = pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        assert "pool ready" in shown and "2 ranks on the cpu backend" in shown
+        state = pool_magic(ip, "")
+        assert "ready: 2 ranks" in state
+        first = pool_pids(ip)
+        assert len(first) == 2 and all(psutil.pid_exists(pid) for pid in first)
+        spawn("", "kept = rank + 1")
+        assert "already running" in pool_magic(ip, "start")
+
+        pool_magic(ip, "restart")
+        second = pool_pids(ip)
+        assert second.isdisjoint(first) and gone(first)
+        with pytest.raises(RankError, match="NameError"):
+            spawn("", "kept")  # a restart starts fresh namespaces
+        assert "1 cell(s) run" in pool_magic(ip, "")
+    finally:
+        assert "pool stopped" in pool_magic(ip, "stop")
+    assert gone(second)
+    assert "no pool is running" in pool_magic(ip, "")
+    assert "no pool is running" in pool_magic(ip, "stop")
+    assert spawn("--devices 2", "rank").value == [0, 1]  # one-shot again
+
+
+def test_restart_can_change_the_size(ip, pool, spawn):
+    pool_magic(ip, "restart --devices 3")
+    assert spawn("", "world_size").value == [3, 3, 3]
+
+
+# --- namespaces, devices, shipping ----------------------------------------------
+
+
+def test_a_model_built_in_one_cell_is_used_in_the_next_on_the_same_device(ip, pool, spawn):
+    assert "model" not in ip.user_ns
+    spawn("", "import os, torch\nmodel = torch.nn.Linear(2, 1).to(device)\nborn_in = os.getpid()")
+    run = spawn("", "(str(next(model.parameters()).device), born_in == os.getpid(), rank)")
+    assert run.value == [("xla:0", True, 0), ("xla:0", True, 1)]
+    assert "model" not in ip.user_ns  # it never came to the kernel, nor went back
+    assert kernel_is_xla_free()
+
+
+def test_kernel_variables_still_reach_every_cell_and_changes_travel(ip, pool, spawn):
+    ip.user_ns.update(offset=1, items=[10])
+    assert spawn("", "offset + rank").value == [1, 2]
+    ip.user_ns["offset"] = 100
+    assert spawn("", "offset + rank").value == [100, 101]
+    # A rank's own changes to a kernel value last only for that cell, as if shipped again.
+    assert spawn("", "items.append(rank)\noffset = -1\nlen(items)").value == [2, 2]
+    assert spawn("", "(len(items), offset)").value == [(1, 100), (1, 100)]
+    ip.user_ns["items"] = [10, 20, 30]
+    assert spawn("", "len(items)").value == [3, 3]
+
+
+def test_tagged_output_results_and_errors_work_as_in_one_shot_runs(pool, spawn):
+    run = spawn("", "import sys\nprint('out', rank)\nprint('err', rank, file=sys.stderr)\nrank * 3")
+    assert run.value == [0, 3]
+    assert "[rank 0] out 0" in run.lines() and "[rank 1] out 1" in run.lines()
+    assert "err 1" in run.stderr
+    with pytest.raises(RankError) as info:
+        spawn("", "if rank == 1:\n    raise ValueError('bad one')\nrank")
+    assert info.value.ranks == [1]
+    assert "raise ValueError('bad one')" in "\n".join(info.value._render_traceback_())
+    assert spawn("", "rank").value == [0, 1]  # an error in a cell does not cost the pool
+
+
+def test_unfinished_last_line_arrives_with_the_cell(pool, spawn):
+    run = spawn("", "import sys\nsys.stdout.write(f'no newline {rank}')")
+    assert "[rank 0] no newline 0" in run.lines() and "[rank 1] no newline 1" in run.lines()
+
+
+def test_a_burst_of_lines_arrives_whole_and_in_order(pool, spawn):
+    run = spawn("", "import os\nfor i in range(3000):\n    print(rank, i)\nos.write(1, b'fd line\\n')")
+    logs = dict(re.findall(r"\[rank (\d)\] \.\.\. more stdout .* every line goes to (\S+)", run.stdout))
+    for r in range(2):
+        with open(logs[str(r)]) as log:
+            lines = log.read().splitlines()
+        # Writes to the file descriptor skip Python's buffer, as in any process.
+        assert lines.count("fd line") == 1
+        lines.remove("fd line")
+        assert lines == [f"{r} {i}" for i in range(3000)]
+
+
+def test_last_words_before_a_crash_reach_the_cell(ip, pool):
+    cell = "import os, sys\nprint('last words', rank)\nprint('on stderr', file=sys.stderr)\nos._exit(3)"
+    with capture_output() as captured, pytest.raises(RankError):
+        ip.run_cell_magic("xla_spawn", "", cell)
+    for r in range(2):
+        assert f"[rank {r}] last words {r}" in captured.stdout
+        assert re.search(rf"\[rank {r}\]\S* on stderr", captured.stderr)
+    assert pool.state == "broken"
+
+
+def test_progress_lines_settle(pool, spawn):
+    cell = "import sys\nfor i in range(5):\n    sys.stdout.write(f'\\rstep {i}'); sys.stdout.flush()\nprint()"
+    run = spawn("", cell)
+    assert "[rank 1] step 4" in run.lines() and "step 2" not in run.stdout
+
+
+def test_push_and_pull(ip, pool, spawn):
+    ip.user_ns["weights"] = [1.0, 2.0]
+    pool_magic(ip, "push weights")
+    del ip.user_ns["weights"]
+    assert spawn("", "total = sum(weights) * (rank + 1)\ntotal").value == [3.0, 6.0]
+    pool_magic(ip, "pull total")
+    assert ip.user_ns["total"] == [3.0, 6.0]
+    pool_magic(ip, "pull total --rank 1")
+    assert ip.user_ns["total"] == 6.0
+    spawn("", "import torch\non_device = torch.arange(3, device=device) * rank")
+    pool_magic(ip, "pull on_device --rank 1")
+    assert ip.user_ns["on_device"].device.type == "cpu" and ip.user_ns["on_device"].tolist() == [0, 1, 2]
+    with pytest.raises(RankError, match="not defined"):
+        pool_magic(ip, "pull never_made")
+    with pytest.raises(UsageError, match="no notebook variable"):
+        pool_magic(ip, "push never_made")
+
+
+@pytest.mark.parametrize(
+    "line, pattern",
+    [
+        ("push", "needs a name"),
+        ("pull a b", "one name"),
+        ("pull 3x", "variable names"),
+        ("stop now", "takes no names"),
+        ("push a --rank 1", "--rank goes with"),
+        ("pull a --rank 5", "between 0 and 1"),
+        ("push a --devices 2", "start and restart only"),
+        ("start --devices 3", "contradicts"),
+        ("launch", "invalid choice"),
+    ],
+)
+def test_bad_pool_arguments_are_usage_errors(ip, pool, line, pattern):
+    ip.user_ns["a"] = 1
+    with pytest.raises(UsageError, match=pattern) as info:
+        ip.run_line_magic("xla_pool", line)
+    assert type(info.value) is UsageError
+
+
+def test_contradicting_devices_is_an_error_not_a_respawn(ip, pool, spawn):
+    before = pool_pids(ip)
+    for line in ("--devices 4", "--backend tpu"):
+        with pytest.raises(UsageError, match="contradicts") as info:
+            spawn(line, "rank")
+        assert type(info.value) is UsageError
+    assert pool_pids(ip) == before
+    assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+def test_fresh_runs_in_newly_spawned_ranks(ip, pool, spawn):
+    spawn("", "only_in_pool = 1")
+    run = spawn("--fresh --devices 3", "import os\n('only_in_pool' in dir(), os.getpid())")
+    assert [seen for seen, _ in run.value] == [False, False, False]
+    assert not {pid for _, pid in run.value} & pool_pids(ip)
+    assert spawn("", "only_in_pool").value == [1, 1]
+
+
+def test_no_pool_commands_without_a_pool(ip):
+    with pytest.raises(UsageError, match="no pool is running"):
+        ip.run_line_magic("xla_pool", "pull x")
+
+
+# --- compiled graphs ---------------------------------------------------------------
+
+
+COMPILE_AND_COUNT = (
+    "import torch, torch_xla.debug.metrics as met\n"
+    "def compilations():\n"
+    "    return (met.metric_data('CompileTime') or (0,))[0]\n"
+    "before = compilations()\n"
+    "w = torch.ones(8, 8, device=device)\n"
+    "y = float(((w @ w).relu() + rank).sum().cpu())\n"
+    "(y, compilations() - before)"
+)
+
+
+def test_a_second_identical_cell_compiles_nothing(pool, spawn):
+    first = spawn("", COMPILE_AND_COUNT).value
+    assert [new for _, new in first] == [1, 1]
+    second = spawn("", COMPILE_AND_COUNT).value
+    assert second == [(y, 0) for y, _ in first]  # same results, no new CompileTime sample
+    fresh = spawn("--fresh --devices 2", COMPILE_AND_COUNT).value
+    assert [new for _, new in fresh] == [1, 1]  # new ranks compile again
+
+
+# --- interrupts and crashes ---------------------------------------------------------
+
+
+def test_interrupt_stops_the_cell_and_keeps_the_pool(ip, pool, spawn):
+    spawn("", "survivor = rank * 7")
+    before = pool_pids(ip)
+    ip.user_ns["marks"] = interrupt_once_running(2)
+    with pytest.raises(RunInterrupted, match="keeps its ranks"):
+        spawn("", BUSY_UNTIL_INTERRUPTED)
+    assert pool.state == "ready"
+    assert pool_pids(ip) == before
+    assert spawn("", "survivor").value == [0, 7]
+
+
+def test_timeout_stops_the_cell_and_keeps_the_pool(ip, pool, spawn):
+    spawn("", "survivor = rank")
+    with pytest.raises(RankError, match="timed out.*keeps its ranks"):
+        spawn("--timeout 1", "while True:\n    spin = 1")
+    assert spawn("", "survivor").value == [0, 1]
+
+
+def test_ranks_that_ignore_interrupts_break_the_pool_and_the_next_cell_says_so(ip, pool, spawn):
+    pids = pool_pids(ip)
+    ip.user_ns["marks"] = interrupt_once_running(2)
+    cell = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + BUSY_UNTIL_INTERRUPTED
+    with pytest.raises(RunInterrupted, match="%xla_pool restart"):
+        spawn("", cell)
+    assert pool.state == "broken" and gone(pids)
+    with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
+        spawn("", "rank")
+    assert "broken" in pool_magic(ip, "")
+    pool_magic(ip, "restart")
+    assert spawn("", "rank").value == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "crash, pattern",
+    [
+        ("import os\nos._exit(3)", "exit code 3"),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+    ],
+    ids=["os._exit", "SIGKILL"],
+)
+def test_a_crashed_rank_breaks_the_pool_and_the_next_cell_does_not_hang(ip, pool, spawn, crash, pattern):
+    pids = pool_pids(ip)
+    cell = f"if rank == 1:\n" + "".join(f"    {line}\n" for line in crash.splitlines()) + "rank"
+    with pytest.raises(RankError, match=pattern) as info:
+        spawn("", cell)
+    assert 1 in info.value.ranks
+    assert "%xla_pool restart" in "\n".join(info.value._render_traceback_())
+    assert gone(pids)
+    with pytest.raises(UsageError, match="%xla_pool restart"):
+        spawn("", "rank")
+
+
+def test_a_rank_killed_between_cells_is_noticed_before_the_next_cell_runs(ip, pool, spawn):
+    spawn("", "rank")
+    victim = ip._xla_magic_session.pool.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    assert gone({victim})
+    with pytest.raises(UsageError, match="lost a rank.*nothing ran"):
+        spawn("", "rank")
+    with pytest.raises(UsageError, match="broken"):
+        spawn("", "rank")
+
+
+# --- the tpu launch path (rank threads) ---------------------------------------------
+
+
+def test_tpu_launch_path_keeps_namespaces_and_survives_an_interrupt(ip, thread_pool, spawn):
+    assert thread_pool.backend == "tpu" and thread_pool.cpu_threads
+    run = spawn("", "import os, threading\nkept = (rank, os.getpid())\nthreading.current_thread().name")
+    assert all(name != "MainThread" for name in run.value)
+    ip.user_ns["marks"] = interrupt_once_running(2)
+    with pytest.raises(RunInterrupted, match="keeps its ranks"):
+        spawn("", BUSY_UNTIL_INTERRUPTED)
+    values = spawn("", "kept").value
+    assert [r for r, _ in values] == [0, 1] and len({pid for _, pid in values}) == 1
+
+
+def test_tpu_launch_path_crash_breaks_the_pool(ip, thread_pool, spawn):
+    with pytest.raises(RankError, match="%xla_pool restart"):
+        spawn("", "import os\nif rank == 1:\n    os._exit(3)\nrank")
+    with pytest.raises(UsageError, match="broken"):
+        spawn("", "rank")
+
+
+# --- nothing left behind --------------------------------------------------------------
+
+
+def test_unload_stops_the_pool_and_every_rank(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    pids = pool_pids(ip)
+    supervisor = ip._xla_magic_session.pool.supervisor_pid
+    ip.run_line_magic("unload_ext", "xla_magic")
+    try:
+        assert gone(pids | {supervisor})
+    finally:
+        ip.run_line_magic("load_ext", "xla_magic")
+    assert ip._xla_magic_session.pool is None
+    assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+# --- a real Jupyter kernel and its stop button ------------------------------------------
+
+
+def test_pool_in_a_real_kernel_survives_the_stop_button():
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
+
+    def run(code: str, on_output=None) -> tuple[dict, str]:
+        chunks: list[str] = []
+
+        def hook(msg) -> None:
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                chunks.append(content["text"])
+            elif msg["msg_type"] == "error":
+                chunks.append(f"{content['ename']}: {content['evalue']}")
+            elif msg["msg_type"] == "execute_result":
+                chunks.append(content["data"].get("text/plain", ""))
+            if on_output is not None:
+                on_output("".join(chunks))
+
+        reply = client.execute_interactive(code, timeout=240, output_hook=hook)
+        return reply["content"], re.sub(r"\x1b\[[0-9;]*m", "", "".join(chunks))
+
+    try:
+        run("%load_ext xla_magic")
+        reply, text = run("%xla_pool start --devices 2 --backend cpu")
+        assert reply["status"] == "ok" and "pool ready" in text
+        run("%%xla_spawn\nimport torch\nmodel = torch.nn.Linear(2, 1).to(device)")
+        pressed = []
+
+        def press_stop(text: str) -> None:
+            if not pressed and text.count("spinning") == 2:
+                pressed.append(True)
+                manager.interrupt_kernel()
+
+        reply, text = run("%%xla_spawn\nprint('spinning', rank)\nwhile True:\n    pass", on_output=press_stop)
+        assert pressed and reply["ename"] == "RunInterrupted" and "keeps its ranks" in text
+        reply, text = run("%%xla_spawn\nstr(next(model.parameters()).device)")
+        assert reply["status"] == "ok" and "['xla:0', 'xla:0']" in text
+        reply, text = run("import sys\n'torch_xla' in sys.modules or '_XLAC' in sys.modules")
+        assert "False" in text
+        kernel = psutil.Process(manager.provisioner.process.pid)
+        launcher = next(p for p in kernel.children() if "xla_magic.launcher" in " ".join(p.cmdline()))
+        pool_processes = {p.pid for p in launcher.children(recursive=True)}
+        assert len(pool_processes) == 3  # the pool's supervisor and its two ranks
+        run("%xla_pool stop")
+        assert gone(pool_processes)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

@@ -1,0 +1,693 @@
+"""The persistent rank pool, kernel side: ``%xla_pool`` and the cells run in it. Runs in the kernel.
+
+A pool is one launcher job of kind ``pool``. Its ranks start once and keep
+their namespace, their device and torch_xla's compiled graphs; the kernel
+keeps the same private socket pairs open for the pool's life and sends each
+request (a cell, pushed values, a pull) on every rank's events socket.
+
+A request is followed by :class:`PoolRun`, a :class:`~xla_magic.session.Run`
+with a different start (send on the open sockets) and a different end (every
+asked rank said DONE), so output, results, errors and fail-fast are the
+one-shot run's own. Stopping a request sends SIGINT to the rank processes;
+ranks that answer keep the pool, ranks that do not are killed and the pool
+is *broken*: every later request says so and how to restart, without waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import selectors
+import signal
+import socket
+import time
+import types
+from typing import Any, Mapping
+
+from IPython.core.error import UsageError
+
+from xla_magic import payload, probe, protocol
+from xla_magic.display import RankError, RunInterrupted
+from xla_magic.session import (
+    READY_TIMEOUT,
+    STOP_GRACE,
+    Launcher,
+    LauncherError,
+    Run,
+    RunRecord,
+    RunSpec,
+    Session,
+    _Conn,
+    describe_exit,
+)
+
+RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
+EXIT_CODE_WAIT = 1.0  # after a rank's socket closes, how long to wait for its exit code
+STOP_WAIT = 5.0  # how long the ranks get to leave after the kernel closes their sockets
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
+_ANALYSED_CELLS_KEPT = 128
+
+
+# --- what the ranks already hold ------------------------------------------------
+
+
+class Shipping:
+    """The kernel values the ranks hold, so that only changed ones travel.
+
+    Plain values (numbers, strings, modules) are compared by identity: the
+    same object cannot have changed. The others are pickled together, as in
+    a one-shot run, and sent only when that pickle differs from the last one
+    sent; the ranks load their copy afresh for every cell.
+    """
+
+    def __init__(self) -> None:
+        self.plain: dict[str, Any] = {}
+        self.objects_sent: tuple[tuple[str, ...], bytes] | None = None  # (names, digest)
+        self._objects_going: tuple[tuple[str, ...], bytes] | None = None
+
+    def fields(self, values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The CELL message's shipping fields, and the plain values they send."""
+        plain_names: list[str] = []
+        changed: dict[str, Any] = {}
+        objects: dict[str, Any] = {}
+        for name, value in values.items():
+            if type(value) in _PLAIN_TYPES or isinstance(value, types.ModuleType):
+                plain_names.append(name)
+                if name not in self.plain or self.plain[name] is not value:
+                    changed[name] = value
+            else:
+                objects[name] = value
+        blob = None
+        if objects:
+            pickled = payload.pickle_namespace(objects)
+            key = (tuple(objects), hashlib.blake2b(pickled, digest_size=16).digest())
+            if key != self.objects_sent:
+                blob = pickled
+            self._objects_going = key
+        fields = {
+            "plain_names": tuple(plain_names),
+            "plain": payload.pickle_namespace(changed) if changed else None,
+            "object_names": tuple(objects),
+            "objects": blob,
+        }
+        return fields, changed
+
+    def sent(self, changed: dict[str, Any], fields: dict[str, Any]) -> None:
+        """Remember what every rank now holds (call once the request went out)."""
+        self.plain.update(changed)
+        if fields["object_names"]:
+            self.objects_sent = self._objects_going
+
+
+# --- the pool ---------------------------------------------------------------------
+
+
+class Pool:
+    """The kernel's handle on a pool: its sockets, processes and state.
+
+    ``state`` is one of starting, ready, running, broken, stopped.
+    """
+
+    def __init__(self, placement: probe.Placement, requested_backend: str) -> None:
+        self.backend = placement.backend
+        self.devices = placement.devices
+        self.cpu_threads = placement.cpu_threads
+        self.requested_backend = requested_backend
+        self.state = "starting"
+        self.problem: str | None = None
+        self._problem_is_a_guess = False
+        self.supervisor: _Conn | None = None
+        self.events: list[_Conn] = []
+        self.outputs: list[_Conn] = []
+        self.supervisor_pid: int | None = None
+        self.pids: dict[int, int] = {}
+        self.started = time.time()
+        self.start_seconds: float | None = None
+        self.cells = 0
+        self.shipping = Shipping()
+        self._seq = 0
+        self._analysed: dict[str, tuple[bool, frozenset[str]]] = {}
+
+    # -- sockets and processes -------------------------------------------
+
+    def open_sockets(self) -> list[socket.socket]:
+        """Make the pool's socket pairs; the ends its job hands to the launcher."""
+        theirs: list[socket.socket] = []
+        ours, remote = socket.socketpair()
+        self.supervisor = _Conn(ours, None, "supervisor")
+        theirs.append(remote)
+        for rank in range(self.devices):
+            for kind in ("events", "stdout", "stderr"):
+                ours, remote = socket.socketpair()
+                conn = _Conn(ours, rank, kind)
+                (self.events if kind == "events" else self.outputs).append(conn)
+                theirs.append(remote)
+        return theirs
+
+    def conns(self) -> list[_Conn]:
+        conns = [self.supervisor] if self.supervisor is not None else []
+        return [c for c in conns + self.events + self.outputs if c.sock.fileno() >= 0]
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def send(self, rank: int, frame: bytes) -> None:
+        """Write one request on a rank's events socket (OSError: the rank is gone)."""
+        sock = self.events[rank].sock
+        try:
+            sent = sock.send(frame)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(frame):
+            sock.settimeout(READY_TIMEOUT)  # a large request: let the rank read it
+            try:
+                sock.sendall(memoryview(frame)[sent:])
+            finally:
+                sock.setblocking(False)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to the processes of ``ranks`` (threads of one process share it)."""
+        for pid in {self.pids[rank] for rank in ranks if rank in self.pids}:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL to every process of the pool (they share one process group)."""
+        if self.supervisor_pid is None:
+            return
+        try:
+            os.killpg(self.supervisor_pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def mark_broken(self, reason: str, guess: bool = False) -> None:
+        """Note that the pool cannot serve again, and why.
+
+        A ``guess`` (a socket closed) gives way to the supervisor's word on
+        the same death (the exit code), which tends to arrive just after it.
+        """
+        if self.state == "stopped":
+            return
+        self.state = "broken"
+        if self.problem is None or (self._problem_is_a_guess and not guess):
+            self.problem = reason
+            self._problem_is_a_guess = guess
+
+    def stop(self) -> None:
+        """End the ranks: close their sockets (they leave their loop), then make sure."""
+        if self.state == "stopped":
+            return
+        for conn in self.events + self.outputs:
+            conn.sock.close()
+        try:
+            if self.state != "broken":
+                self._wait_for_supervisor(STOP_WAIT)
+        finally:
+            self.kill()
+            if self.supervisor is not None:
+                self.supervisor.sock.close()
+            self.state = "stopped"
+
+    def _wait_for_supervisor(self, timeout: float) -> None:
+        """Until the supervisor, which outlives every rank, closes its socket."""
+        if self.supervisor is None or self.supervisor.sock.fileno() < 0:
+            return
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.supervisor.sock, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not selector.select(max(0.0, deadline - time.monotonic())):
+                    continue
+                try:
+                    if not self.supervisor.sock.recv(1 << 16):
+                        return
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+
+    # -- cells ---------------------------------------------------------------
+
+    def analyse(self, source: str, filename: str) -> tuple[bool, frozenset[str]]:
+        """(ends in an expression, names read), computed once per cell source."""
+        known = self._analysed.get(source)
+        if known is None:
+            known = (payload.compile_cell(source, filename), frozenset(payload.names_read(source)))
+            if len(self._analysed) >= _ANALYSED_CELLS_KEPT:
+                self._analysed.pop(next(iter(self._analysed)))
+            self._analysed[source] = known
+        return known
+
+    def check_fits(self, devices: int | None, backend: str) -> None:
+        """A cell's --devices / --backend must agree with the running pool."""
+        if devices is not None and devices != self.devices:
+            raise UsageError(
+                f"a pool of {self.devices} ranks is running, so --devices {devices} contradicts it. "
+                f"Leave --devices out to run in the pool, add --fresh to run in {devices} newly "
+                f"spawned ranks, or use %xla_pool restart --devices {devices} to replace the pool."
+            )
+        if backend != "auto" and backend != self.backend:
+            raise UsageError(
+                f"the running pool uses the {self.backend} backend, so --backend {backend} contradicts "
+                f"it. Leave --backend out, add --fresh, or use %xla_pool restart --backend {backend}."
+            )
+
+    def check_fresh_allowed(self) -> None:
+        """On a TPU host the pool's ranks hold the chips, so fresh ranks could not open them."""
+        if self.backend == "tpu" and not self.cpu_threads and self.state != "broken":
+            raise UsageError(
+                "the pool's ranks hold this host's TPU chips, so --fresh ranks could not use them. "
+                "Run the cell in the pool (leave --fresh out), or %xla_pool stop first."
+            )
+
+    def check_usable(self) -> None:
+        if self.state == "broken":
+            raise UsageError(
+                f"the pool is broken ({self.problem}). {RESTART_HINT}; %xla_pool stop goes back "
+                f"to one-shot ranks; --fresh runs this cell in newly spawned ranks."
+            )
+
+    # -- showing ---------------------------------------------------------------
+
+    def describe(self) -> str:
+        where = f"{self.devices} ranks on the {self.backend} backend"
+        if self.cpu_threads:
+            where += " (threads on the CPU)"
+        elif self.backend == "cpu":
+            where += " (simulated devices)"
+        if self.state == "stopped":
+            return f"stopped ({where})"
+        if self.state == "broken":
+            return f"broken: {self.problem}. {RESTART_HINT}"
+        uptime = time.time() - self.started
+        pids = ", ".join(str(pid) for pid in sorted(set(self.pids.values())))
+        return (
+            f"{self.state}: {where}, up {uptime:.0f} s, {self.cells} cell(s) run; "
+            f"rank processes {pids or 'unknown'}"
+        )
+
+
+# --- following one request ------------------------------------------------------
+
+
+class PoolRun(Run):
+    """One request to the pool's ranks, followed to every asked rank's DONE."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        spec: RunSpec,
+        record: RunRecord,
+        seq: int,
+        request: bytes | None,
+        session: Session,
+        ranks: list[int] | None = None,
+        live_lines: bool = False,
+    ) -> None:
+        super().__init__(spec, session.launcher, record, session._notify, live_lines=live_lines)
+        self.pool = pool
+        self.seq = seq
+        self.request = request
+        self.targets = list(range(spec.devices)) if ranks is None else ranks
+        self.lost: dict[int, float] = {}  # rank -> when its events socket closed
+
+    # -- start: the sockets are open already --------------------------------
+
+    def start(self) -> None:
+        for conn in self.pool.conns():
+            self._watch(conn)
+        self.supervisor_pid = self.pool.supervisor_pid
+        for rank in range(self.spec.devices):
+            if rank not in self.targets:
+                self.done.add(rank)
+                self.record.ranks[rank].state = "done"
+        self._pump(0)  # news from between requests: a rank that died, stray output
+        if self.pool.state == "broken":
+            self._close_all()
+            self._finish("failed")
+            raise UsageError(
+                f"the pool lost a rank before this request ({self.pool.problem}); nothing ran. {RESTART_HINT}."
+            )
+        self.pool.state = "running"
+        for rank in self.targets:
+            self._rank_state(rank, "running")
+            try:
+                self.pool.send(rank, self.request)
+            except OSError as exc:
+                self.pool.mark_broken(f"rank {rank} could not be reached ({exc})")
+                self._fail(rank, "RankDied", f"rank {rank} could not be reached: {exc}")
+                self.done.add(rank)
+
+    # -- the end: every asked rank said DONE ------------------------------
+
+    def _running(self) -> bool:
+        if not self._open_conns():
+            return False
+        if any(rank not in self.done for rank in self.targets):
+            return True
+        return self._waiting_for_exit_codes()
+
+    def _waiting_for_exit_codes(self) -> bool:
+        """A rank's socket closed: give its exit code a moment to arrive."""
+        missing = [rank for rank in self.lost if rank not in self.exit_codes]
+        if not missing or not self.supervisor_open:
+            return False
+        return time.monotonic() - min(self.lost.values()) < EXIT_CODE_WAIT
+
+    def wait(self) -> list[Any] | None:
+        try:
+            return super().wait()
+        except RunInterrupted as exc:
+            raise RunInterrupted(self._interrupted_message(), exc.results) from None
+        except RankError as exc:
+            if self.pool.state == "broken":
+                note = f"the pool is broken: {RESTART_HINT}"
+            elif self.stop_reason == "timeout":
+                note = "the pool keeps its ranks and their namespaces"
+            else:
+                raise
+            error = RankError(exc.failures, exc.results, f"{exc.summary}; {note}")
+            error.__suppress_context__ = True  # keep __cause__: the remote traceback
+            raise error
+        finally:
+            if self.pool.state == "running":
+                self.pool.state = "ready"
+            elif self.pool.state == "broken":
+                self.pool.kill()  # what is left of a broken pool only holds memory and devices
+
+    def _interrupted_message(self) -> str:
+        if self.pool.state == "broken":
+            return (
+                f"interrupted; the ranks did not stop on SIGINT and were killed, so the pool is "
+                f"broken. {RESTART_HINT}."
+            )
+        return (
+            "interrupted; the cell was stopped in every rank, and the pool keeps its ranks and "
+            "their namespaces. Results of ranks that finished are on this error's .results."
+        )
+
+    # -- events ------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, event: protocol.Event) -> None:
+        kind, fields = event
+        if kind == protocol.BROKEN:
+            self.pool.mark_broken(f"a garbled message from the pool ({fields.get('reason')})")
+        elif conn.kind == "events":
+            if kind == protocol.STATUS:
+                self._take_status(conn.rank, fields)
+                return
+            if fields.get("seq") != self.seq:
+                return  # a reply to a request the kernel gave up on
+            if kind == protocol.ERROR and self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
+                self._rank_state(conn.rank, "killed")  # our own SIGINT, not a fault of the rank
+                return
+        elif conn.kind == "supervisor" and not self._take_supervisor_news(kind, fields):
+            return
+        super()._handle(conn, event)
+
+    def _take_status(self, rank: int, fields: dict[str, Any]) -> None:
+        state = self.record.ranks[rank]
+        if fields.get("pid"):
+            state.pid = self.pool.pids[rank] = fields["pid"]
+        if fields.get("memory") is not None:
+            state.memory = fields["memory"]
+        self.on_update(self.record)
+
+    def _take_supervisor_news(self, kind: str, fields: dict[str, Any]) -> bool:
+        """Note what the supervisor says; False where Run must not see it."""
+        if kind == protocol.SPAWNED:
+            self.pool.pids.update(fields["pids"])
+        elif kind == protocol.EXIT:
+            rank = fields["rank"]
+            self.pool.mark_broken(f"rank {rank} died: {describe_exit(fields['code'])}")
+        elif kind == protocol.ENDED and self.pool.state != "starting":
+            # Not a launch error: the ranks' processes ended under a running pool
+            # (the tpu launch path reports a rank process that died this way).
+            error = (fields.get("error") or "").strip()
+            cause = f": {error.splitlines()[-1]}" if error else ""
+            self.pool.mark_broken(f"the pool's rank processes ended{cause}")
+            for rank in self.targets:
+                if rank not in self.done and rank not in self.failures and self.stop_reason is None:
+                    self._fail(rank, "RankDied", f"rank {rank}'s process ended{cause}")
+            return False
+        return True
+
+    def _closed(self, conn: _Conn) -> None:
+        if conn.kind == "events" and conn.rank not in self.done:
+            self.lost[conn.rank] = time.monotonic()
+        super()._closed(conn)
+        if self.pool.state != "stopped":
+            who = "the pool's supervisor" if conn.rank is None else f"rank {conn.rank}"
+            self.pool.mark_broken(f"{who} ended", guess=True)
+
+    # -- stopping: the cell, not the pool, unless the ranks do not answer --
+
+    def _stop(self, reason: str, first_signal: int) -> None:
+        self.stop_reason = reason
+        pending = [rank for rank in self.targets if rank not in self.done]
+        if self.pool.state == "starting":
+            pending = []
+            self.pool.mark_broken(f"its start was stopped ({reason})")
+        elif pending:
+            self.pool.interrupt(pending)
+            deadline = time.monotonic() + STOP_GRACE
+            while time.monotonic() < deadline and any(rank not in self.done for rank in pending):
+                try:
+                    self._pump(0.05)
+                except KeyboardInterrupt:
+                    break  # a second interrupt: do not wait any longer
+            pending = [rank for rank in pending if rank not in self.done]
+            if pending:
+                self.pool.mark_broken(
+                    f"rank(s) {', '.join(map(str, pending))} did not stop on SIGINT within "
+                    f"{STOP_GRACE:g} s and were killed"
+                )
+        if self.pool.state == "broken":
+            self.pool.kill()
+            end = time.monotonic() + EXIT_CODE_WAIT
+            while self.supervisor_open and time.monotonic() < end:
+                self._pump(0.05)
+        for rank in self.targets:
+            if rank not in self.done:
+                self._rank_state(rank, "killed")
+        self._drain_output()
+
+    # -- the sockets stay open for the next request ---------------------------
+
+    def _drain_output(self) -> None:
+        """Read every byte the ranks wrote before their DONE."""
+        for key in list(self.selector.get_map().values()):
+            conn: _Conn = key.data
+            while conn.reader is None and conn.sock.fileno() >= 0:
+                try:
+                    data = conn.sock.recv(1 << 20)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    data = b""
+                if not data:
+                    self._closed(conn)
+                    break
+                self.output.feed(conn.rank, conn.kind, data)
+
+    def _close_all(self) -> None:
+        try:
+            self._drain_output()
+        finally:
+            for key in list(self.selector.get_map().values()):
+                self.selector.unregister(key.fileobj)
+            self.selector.close()
+
+
+class PoolStart(PoolRun):
+    """The pool's start: hand the job to the launcher; done when every rank is ready."""
+
+    def start(self) -> None:
+        theirs = self.pool.open_sockets()
+        try:
+            for conn in self.pool.conns():
+                self._watch(conn)
+            job = {
+                "mode": protocol.POOL_JOB,
+                "run_id": self.record.run_id,
+                "backend": self.pool.backend,
+                "cpu_threads": self.pool.cpu_threads,
+            }
+            self.supervisor_pid = self.launcher.submit(job, [sock.fileno() for sock in theirs])
+            self.pool.supervisor_pid = self.supervisor_pid
+        finally:
+            for sock in theirs:
+                sock.close()
+
+
+# --- what the magics call ---------------------------------------------------------
+
+
+def current(session: Session) -> Pool | None:
+    """The session's pool, unless there is none or it was stopped (status panel)."""
+    pool = session.pool
+    if pool is not None and pool.state == "stopped":
+        session.pool = pool = None
+    return pool
+
+
+def _ready_launcher(session: Session) -> Launcher:
+    launcher = session.ensure_launcher()
+    try:
+        launcher.wait_ready()
+    except LauncherError as exc:
+        session.launcher = None
+        launcher.stop()
+        raise UsageError(str(exc)) from exc
+    return launcher
+
+
+def _request_spec(pool: Pool, source: str, has_result: bool, timeout: float | None = None) -> RunSpec:
+    empty = payload.Payload(source=source, filename="<xla_pool>", has_result=has_result, namespace=b"")
+    return RunSpec(payload=empty, backend=pool.backend, devices=pool.devices,
+                   cpu_threads=pool.cpu_threads, timeout=timeout)
+
+
+def start(session: Session, devices: int | None, backend: str | None, live_lines: bool = False) -> Pool:
+    """``%xla_pool start``: a pool of ready ranks, or the one already running."""
+    running = current(session)
+    if running is not None:
+        running.check_usable()
+        running.check_fits(devices, backend or "auto")
+        print(f"the pool is already running: {running.describe()}")
+        return running
+    try:
+        placement = probe.place(backend or "auto", devices)
+    except probe.PlacementError as exc:
+        raise UsageError(str(exc)) from exc
+    refusal = probe.kernel_xla_runtime()
+    if refusal:
+        raise UsageError(f"%xla_pool start refused: {refusal}")
+    _ready_launcher(session)
+    pool = Pool(placement, backend or "auto")
+    run_id = session.next_run_id()
+    record = RunRecord(run_id, "%xla_pool start", pool.backend, pool.devices)
+    run = PoolStart(pool, _request_spec(pool, "%xla_pool start", False, READY_TIMEOUT), record, 0, None,
+                    session, live_lines=live_lines)
+    began = time.monotonic()
+    try:
+        run.start()
+        run.wait()
+    except BaseException:
+        pool.stop()
+        raise
+    pool.start_seconds = time.monotonic() - began
+    pool.state = "ready"
+    session.pool = pool
+    print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
+    return pool
+
+
+def stop(session: Session) -> bool:
+    """``%xla_pool stop``: True when there was a pool to stop."""
+    pool = current(session)
+    if pool is None:
+        return False
+    try:
+        pool.stop()
+    finally:
+        session.pool = None
+    return True
+
+
+def restart(session: Session, devices: int | None, backend: str | None, live_lines: bool = False) -> Pool:
+    old = current(session)
+    if old is not None:
+        devices = devices if devices is not None else old.devices
+        backend = backend or old.requested_backend
+        stop(session)
+    return start(session, devices, backend, live_lines)
+
+
+def run_cell(
+    session: Session,
+    cell: str,
+    devices: int | None,
+    backend: str,
+    timeout: float | None,
+    user_ns: Mapping[str, Any],
+    hidden: Mapping[str, Any],
+    live_lines: bool = False,
+) -> list[Any] | None:
+    """A ``%%xla_spawn`` cell in the running pool."""
+    pool = session.pool
+    pool.check_fits(devices, backend)
+    pool.check_usable()
+    refusal = probe.kernel_xla_runtime()
+    if refusal:
+        raise UsageError(f"%%xla_spawn refused: {refusal}")
+    run_id = session.next_run_id()
+    filename = f"<xla_spawn cell {run_id}>"
+    has_result, names = pool.analyse(cell, filename)
+    values = payload.select_names(names, user_ns, hidden)
+    shipping, changed = pool.shipping.fields(values)
+    seq = pool.next_seq()
+    request = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
+                              has_result=has_result, **shipping)
+    spec = _request_spec(pool, cell, has_result, timeout)
+    record = RunRecord(run_id, cell, pool.backend, pool.devices)
+    session.history = (session.history + [record])[-session.HISTORY :]
+    run = PoolRun(pool, spec, record, seq, request, session, live_lines=live_lines)
+    run.start()
+    pool.shipping.sent(changed, shipping)
+    pool.cells += 1
+    return run.wait()
+
+
+def _exchange(session: Session, kind: str, label: str, ranks: list[int] | None, has_result: bool,
+              **fields: Any) -> PoolRun:
+    pool = _usable(session)
+    seq = pool.next_seq()
+    request = protocol.encode(kind, seq=seq, **fields)
+    record = RunRecord(session.next_run_id(), label, pool.backend, pool.devices)
+    run = PoolRun(pool, _request_spec(pool, label, has_result), record, seq, request, session, ranks=ranks)
+    run.start()
+    run.wait()
+    return run
+
+
+def _usable(session: Session) -> Pool:
+    pool = current(session)
+    if pool is None:
+        raise UsageError("no pool is running; start one with %xla_pool start [--devices N]")
+    pool.check_usable()
+    return pool
+
+
+def push(session: Session, names: list[str], user_ns: Mapping[str, Any]) -> None:
+    """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""
+    _usable(session)
+    missing = [name for name in names if name not in user_ns]
+    if missing:
+        raise UsageError(f"no notebook variable named {', '.join(missing)} to push")
+    values = {name: user_ns[name] for name in names}
+    _exchange(session, protocol.PUSH, f"%xla_pool push {' '.join(names)}", None, False,
+              values=payload.pickle_namespace(values))
+
+
+def pull(session: Session, name: str, rank: int | None) -> Any:
+    """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
+    pool = _usable(session)
+    if rank is not None and not 0 <= rank < pool.devices:
+        raise UsageError(f"--rank must be between 0 and {pool.devices - 1} (the pool has {pool.devices} ranks)")
+    run = _exchange(session, protocol.PULL, f"%xla_pool pull {name}", None if rank is None else [rank], True,
+                    name=name)
+    if rank is not None:
+        return run.results.get(rank)
+    return [run.results.get(r) for r in range(pool.devices)]
+
+
+def describe(session: Session) -> str:
+    pool = current(session)
+    if pool is None:
+        return ("no pool is running. %xla_pool start [--devices N] starts one; %%xla_spawn cells "
+                "then keep their ranks, namespaces and compiled graphs between cells.")
+    return f"pool {pool.describe()}"
