@@ -150,6 +150,20 @@ def test_tagged_output_results_and_errors_work_as_in_one_shot_runs(pool, spawn):
     assert spawn("", "rank").value == [0, 1]  # an error in a cell does not cost the pool
 
 
+def test_syntax_errors_and_unpicklable_values_stop_before_the_ranks(ip, pool, spawn):
+    import threading
+
+    session = ip._xla_magic_session
+    before = len(session.history)  # (rebound, not appended to, by each run)
+    with pytest.raises(SyntaxError):
+        spawn("", "x = (1,\nprint(x")
+    ip.user_ns["held_lock"] = threading.Lock()
+    with pytest.raises(UsageError, match=r"'held_lock' \(_thread\.lock\)"):
+        spawn("", "print(held_lock)")
+    assert len(session.history) == before  # no request went out
+    assert spawn("--out gathered", "rank").value == [0, 1] and ip.user_ns["gathered"] == [0, 1]
+
+
 def test_unfinished_last_line_arrives_with_the_cell(pool, spawn):
     run = spawn("", "import sys\nsys.stdout.write(f'no newline {rank}')")
     assert "[rank 0] no newline 0" in run.lines() and "[rank 1] no newline 1" in run.lines()
