@@ -545,6 +545,11 @@ def _ready_launcher(session: Session) -> Launcher:
     return launcher
 
 
+def _remember(session: Session, record: RunRecord) -> None:
+    """Keep the record in the session's recent runs (the status panel's history)."""
+    session.history = (session.history + [record])[-session.HISTORY :]
+
+
 def _request_spec(pool: Pool, source: str, has_result: bool, timeout: float | None = None) -> RunSpec:
     empty = payload.Payload(source=source, filename="<xla_pool>", has_result=has_result, namespace=b"")
     return RunSpec(payload=empty, backend=pool.backend, devices=pool.devices,
@@ -570,6 +575,7 @@ def start(session: Session, devices: int | None, backend: str | None, live_lines
     pool = Pool(placement, backend or "auto")
     run_id = session.next_run_id()
     record = RunRecord(run_id, "%xla_pool start", pool.backend, pool.devices)
+    _remember(session, record)
     run = PoolStart(pool, _request_spec(pool, "%xla_pool start", False, READY_TIMEOUT), record, 0, None,
                     session, live_lines=live_lines)
     began = time.monotonic()
@@ -634,7 +640,7 @@ def run_cell(
                               has_result=has_result, **shipping)
     spec = _request_spec(pool, cell, has_result, timeout)
     record = RunRecord(run_id, cell, pool.backend, pool.devices)
-    session.history = (session.history + [record])[-session.HISTORY :]
+    _remember(session, record)
     run = PoolRun(pool, spec, record, seq, request, session, live_lines=live_lines)
     run.start()
     pool.shipping.sent(changed, shipping)
