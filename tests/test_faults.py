@@ -121,10 +121,13 @@ def test_all_ranks_failing_the_same_way_are_folded(spawn):
     with pytest.raises(RankError) as info:
         spawn("--devices 8", "raise KeyError('same everywhere')")
     error = info.value
-    assert error.ranks == list(range(8))
+    # Ranks slower to fail than the fail-fast grace are stopped instead; on a
+    # loaded machine that can be any of them but the first.
+    assert len(error.ranks) >= 2
     rendered = "\n".join(error._render_traceback_())
     assert rendered.count("KeyError: 'same everywhere'") == 2  # one traceback, one summary line
-    assert "ranks 1, 2, 3, 4, 5, 6, 7 failed the same way" in rendered
+    others = ", ".join(map(str, error.ranks[1:]))
+    assert f"ranks {others} failed the same way" in rendered
     assert isinstance(error.__cause__, Exception) and "KeyError" in str(error.__cause__)
 
 

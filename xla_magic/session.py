@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,6 +148,8 @@ class Launcher:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def _log_tail(self, lines: int = 20) -> str:
         try:
@@ -249,6 +252,8 @@ class Run:
         self.supervisor_open = True
         self.launch_error: str | None = None
         self.first_failure_at: float | None = None
+        self.supervisor_closed_at: float | None = None
+        self.stop_reason: str | None = None  # failure, timeout or interrupt, once we stop the run
         record.ranks = {rank: RankState() for rank in range(spec.devices)}
 
     # -- starting --------------------------------------------------------
@@ -299,7 +304,7 @@ class Run:
                 if deadline is not None and time.monotonic() > deadline:
                     self._stop("timeout", first_signal=signal.SIGINT)
                     raise self._error(f"timed out after {self.spec.timeout:g} s (--timeout); the ranks were stopped")
-                if not self.supervisor_open and self._drained_long_enough():
+                if self._drained_long_enough():
                     break
                 if self.record.interrupt_requested:
                     raise KeyboardInterrupt
@@ -343,9 +348,9 @@ class Run:
         return self._open_conns()
 
     def _drained_long_enough(self) -> bool:
-        if not hasattr(self, "_supervisor_closed_at"):
-            self._supervisor_closed_at = time.monotonic()
-        return time.monotonic() - self._supervisor_closed_at > DRAIN_TIMEOUT
+        """Every process of the run is gone; stop waiting for stray sockets."""
+        closed = self.supervisor_closed_at
+        return closed is not None and time.monotonic() - closed > DRAIN_TIMEOUT
 
     def _pump(self, timeout: float) -> None:
         for key, _mask in self.selector.select(timeout):
@@ -372,6 +377,8 @@ class Run:
                        f"truncated message ({conn.reader.pending()} bytes) when the channel closed")
         if conn.kind == "supervisor":
             self.supervisor_open = False
+            self.supervisor_closed_at = time.monotonic()
+            self._end_strays()
         elif conn.kind == "events" and conn.rank not in self.done:
             # In the cpu backend each rank alone holds its event socket, so
             # EOF before DONE means the rank died; wait for its exit code.
@@ -445,8 +452,6 @@ class Run:
             else:
                 self._rank_state(rank, "killed")
 
-    stop_reason: str | None = None
-
     def _stop(self, reason: str, first_signal: int) -> None:
         """Escalate SIGINT -> SIGTERM -> SIGKILL on the run's process group."""
         self.stop_reason = reason
@@ -470,6 +475,16 @@ class Run:
         end = time.monotonic() + 0.5
         while self._open_conns() and time.monotonic() < end:
             self._pump(0.05)
+
+    def _end_strays(self) -> None:
+        """The supervisor outlives every rank, so what is left in the run's
+        process group now (a subprocess a cell started, say) is a stray that
+        would hold the devices and the rank's output sockets: end it."""
+        if self.supervisor_pid is not None:
+            try:
+                os.killpg(self.supervisor_pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _signal_group(self, sig: int) -> bool:
         if self.supervisor_pid is None:

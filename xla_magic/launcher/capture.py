@@ -129,7 +129,7 @@ class RankTextStream(io.TextIOBase):
         if streams is None or not text:
             return len(text)
         sink = streams.out if self._which == "stdout" else streams.err
-        if sink.write(text.encode("utf-8", "replace")):
+        if sink.write(text.encode("utf-8", "replace")) and not _router.wake.is_set():
             _router.wake.set()
         return len(text)
 

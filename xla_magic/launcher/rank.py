@@ -20,6 +20,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from xla_magic import protocol, transport
 from xla_magic.launcher import capture
 
@@ -47,8 +49,6 @@ class _ResultPickler(transport.SharedMemoryPickler):
     """Moves XLA tensors to the CPU as it meets them; large ones go to shared memory."""
 
     def reducer_override(self, obj: Any) -> Any:
-        import torch
-
         if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
             on_cpu = obj.detach().cpu()
             reduced = super().reducer_override(on_cpu)
