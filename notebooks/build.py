@@ -100,10 +100,25 @@ import sys
 print("torch_xla imported in this kernel:", "torch_xla" in sys.modules)
 '''
 
-# TODO(issue 6, %xla_status): once the magic lands, add STATUS to QUICKSTART
-# (before "Next") and to the TPU notebooks (after the training check), and
-# extend tests/test_notebooks.py::test_quickstart_outputs with what it shows.
 STATUS = "%xla_status"
+
+POOL_START = "%xla_pool start --devices 4"
+
+POOL_BUILD = '''
+%%xla_spawn
+import torch
+
+model = torch.nn.Linear(3, 1).to(device)
+steps_done = 0
+'''
+
+POOL_USE = '''
+%%xla_spawn
+steps_done += 1  # the model and this counter are still here from the last cell
+(rank, steps_done, str(model.weight.device))
+'''
+
+POOL_STOP = "%xla_pool stop"
 
 
 def train_cell(options: str) -> nbformat.NotebookNode:
@@ -184,12 +199,27 @@ if rank == 1:
 rank
 ''', "raises-exception"),
     md('''
+## Keep the ranks between cells: `%xla_pool`
+
+Each cell above started its ranks afresh, so nothing a rank built survived the
+cell. A pool keeps the ranks alive: cells run in them, and each rank keeps its
+namespace, its device state and its compiled graphs, like ipyparallel engines
+on XLA devices. The notebook's names a cell reads are still shipped to it.
+'''),
+    code(POOL_START),
+    code(POOL_BUILD),
+    code(POOL_USE),
+    code(POOL_STOP),
+    md('''
 ## The kernel stayed XLA-free
 
 Everything XLA happened in the ranks. The kernel has not even imported
-torch_xla, which is what lets every cell above spawn again.
+torch_xla, which is what lets every cell above spawn again. `%xla_status`
+shows it all: the devices, the kernel's state, the launcher, the pool and the
+ranks of the last cell (in a notebook as a live panel, elsewhere as text).
 '''),
     code(KERNEL_XLA_FREE),
+    code(STATUS),
     md('''
 ## Next
 
@@ -251,7 +281,8 @@ runtime has.
 ''',
     host_memory='''
 Colab's TPU runtimes share one host between the kernel and every rank. Check
-the host memory the next cell prints against what each rank will load.
+the host memory that the runtime check near the top printed against what each
+rank will load.
 ''',
     pitfall_extra='''
 ### TPU v5e-1 has one device
@@ -305,8 +336,8 @@ Cloud TPU's documentation as of late 2025. The cell below (and the next one,
 which spawns) shows what *your* session has.
 ''',
     host_memory='''
-Kaggle's TPU VM is one host shared by the kernel and every rank; the next cell
-prints its memory.
+Kaggle's TPU VM is one host shared by the kernel and every rank; the runtime
+check near the top printed its memory.
 ''',
     pitfall_extra='''
 ### Competitions without internet
@@ -465,8 +496,10 @@ The TPU image already has torch, torch_xla and libtpu built to work together.
 Reinstalling any of them is the most common way to break a TPU notebook, so the
 cell below installs xla_magic with `--no-deps` and then checks that none of them
 changed. (`pip install xla_magic` with dependencies would only add IPython,
-ipywidgets and cloudpickle, never torch; the `[local]` extra, which does bring
-torch and torch_xla, is for laptops only.)
+ipywidgets and cloudpickle, never torch, but it could still upgrade the
+ipywidgets that the notebook's front end is matched to; `--no-deps` leaves that
+alone too. The `[local]` extra, which does bring torch and torch_xla, is for
+laptops only.)
 '''),
         install_cell(service),
         md(service["hardware"]),
@@ -498,16 +531,22 @@ averages the gradients across ranks with torch_xla's all-reduce.
         code(DATA),
         train_cell(""),
         code(TRAIN_CHECK),
+        md('''
+`%xla_status` shows the devices this runtime has, whether the kernel is still
+XLA-free, and each rank of the last cell with its device memory.
+'''),
+        code(STATUS),
         md(f'''
 ## {service.name} TPU pitfalls, and what xla_magic does about them
 
 ### A leftover `TPU_PROCESS_ADDRESSES`
 
-The TPU image sets `TPU_PROCESS_ADDRESSES` and `CLOUD_TPU_TASK_ID` for a
-single-process job. Left in place, torch_xla's multi-process spawn tries to
-join that job instead and fails or hangs; notebooks used to `os.environ.pop`
-them by hand. xla_magic removes both in every rank before torch_xla starts,
-and leaves the kernel's environment alone. The ranks see:
+The TPU image sets `TPU_PROCESS_ADDRESSES` and `CLOUD_TPU_TASK_ID` for one
+process that uses the whole TPU. torch_xla's spawn sets up each process it
+starts itself, and these leftovers get in its way, which is why PyTorch/XLA's
+own Kaggle examples `os.environ.pop` both before calling `xmp.spawn`. xla_magic
+removes them in every rank before torch_xla starts, and leaves the kernel's
+environment alone. The ranks see:
 '''),
         code(STALE_ADDRESSES),
         md('''

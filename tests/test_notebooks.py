@@ -132,6 +132,29 @@ def test_quickstart_shows_a_failing_rank(quickstart):
     assert "[rank 0]" not in shown
 
 
+def test_quickstart_pool_keeps_what_ranks_built(quickstart):
+    assert "pool ready" in stdout(cell_with(quickstart, "%xla_pool start"))
+    reused = ast.literal_eval(result(cell_with(quickstart, "steps_done += 1")))
+    assert reused == [(rank, 1, "xla:0") for rank in range(4)]
+    assert "pool stopped" in stdout(cell_with(quickstart, "%xla_pool stop"))
+
+
+def widget_text(notebook: nbformat.NotebookNode) -> str:
+    """Every text value of the widgets the notebook displayed (its saved widget state)."""
+    state = notebook.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    models = state.get("state", {}).values()
+    return "\n".join(str(model["state"].get("value", "")) for model in models)
+
+
+def test_quickstart_status_is_a_live_panel(quickstart):
+    status = cell_with(quickstart, "%xla_status")
+    kinds = {kind for out in status.outputs if out.output_type == "display_data" for kind in out.data}
+    assert "application/vnd.jupyter.widget-view+json" in kinds
+    panel = widget_text(quickstart)
+    assert "kernel is XLA-free" in panel
+    assert "CPU simulation, 8 devices" in panel
+
+
 def test_quickstart_runs_clean_and_leaves_the_kernel_xla_free(quickstart):
     no_errors(quickstart)
     assert "torch_xla imported in this kernel: False" in stdout(cell_with(quickstart, "torch_xla imported"))

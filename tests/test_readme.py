@@ -152,3 +152,12 @@ def test_local_links_resolve():
         if "://" in target:
             continue
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_every_module_is_in_the_layout_table():
+    text = section("Development")
+    for path in sorted((ROOT / "xla_magic").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name == "xla_magic/launcher/__init__.py":
+            continue
+        assert f"| `{name}` |" in text, f"README's layout table does not describe {name}"
