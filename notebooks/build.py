@@ -1,7 +1,7 @@
 """Writes the three notebooks from the cells below. Runs as a script, by hand.
 
-    python notebooks/build.py            # write quickstart, colab_tpu, kaggle_tpu
-    python notebooks/build.py --execute  # also run quickstart and keep its outputs
+    python notebooks/build.py               # write all three; run quickstart to keep its outputs
+    python notebooks/build.py --no-execute  # write them without running anything
 
 The cells live here, not in the .ipynb files, so the training example is one
 text shared by all three notebooks and a reviewer reads Python, not JSON.
@@ -275,8 +275,8 @@ on all of them, and xla_magic refuses other counts with a message that lists
 the ones that work. With no `--devices`, a cell uses every device.
 
 What we know vs. what to check: the table follows Colab's announcements and
-Cloud TPU's documentation as of late 2025; Colab changes its TPU offer from
-time to time. The cell below (and the next one, which spawns) shows what *your*
+PyTorch/XLA's documentation as of late 2025 (sources in the repository's
+`docs/tpu-services.md`); Colab changes its TPU offer from time to time. The cell below (and the next one, which spawns) shows what *your*
 runtime has.
 ''',
     host_memory='''
@@ -332,7 +332,8 @@ training example below starts from zeros for that reason), no writes to the
 same file from every rank.
 
 What we know vs. what to check: the table follows Kaggle's accelerator list and
-Cloud TPU's documentation as of late 2025. The cell below (and the next one,
+PyTorch/XLA's documentation as of late 2025 (sources in the repository's
+`docs/tpu-services.md`). The cell below (and the next one,
 which spawns) shows what *your* session has.
 ''',
     host_memory='''
@@ -605,6 +606,8 @@ NOTEBOOKS = {
 
 def build(name: str) -> nbformat.NotebookNode:
     notebook = new_notebook(cells=NOTEBOOKS[name]())
+    for index, cell in enumerate(notebook.cells):
+        cell.id = f"cell-{index:02d}"  # stable ids: rebuilding changes only what changed
     notebook.metadata["kernelspec"] = KERNELSPEC
     notebook.metadata["language_info"] = {"name": "python"}
     if name != "quickstart.ipynb":
@@ -615,16 +618,19 @@ def build(name: str) -> nbformat.NotebookNode:
 def execute(notebook: nbformat.NotebookNode) -> None:
     from nbclient import NotebookClient
 
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
+    client = NotebookClient(
+        notebook, timeout=600, kernel_name="python3", record_timing=False, resources={"metadata": {"path": str(HERE)}}
+    )
+    client.execute()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--execute", action="store_true", help="run quickstart and keep its outputs")
+    parser.add_argument("--no-execute", action="store_true", help="do not run quickstart (its outputs stay empty)")
     args = parser.parse_args(argv)
     for name in NOTEBOOKS:
         notebook = build(name)
-        if args.execute and name == "quickstart.ipynb":
+        if not args.no_execute and name == "quickstart.ipynb":
             execute(notebook)
         nbformat.validate(notebook)
         nbformat.write(notebook, HERE / name)

@@ -88,7 +88,7 @@ def test_committed_notebook_is_what_build_writes(name):
     built = load_builder().build(name)
     committed = read(name)
     shape = lambda nb: [(c.cell_type, c.source, sorted(tags(c))) for c in nb.cells]  # noqa: E731
-    assert shape(committed) == shape(built), f"notebooks/{name} is stale: run python notebooks/build.py --execute"
+    assert shape(committed) == shape(built), f"notebooks/{name} is stale: run python notebooks/build.py"
 
 
 # --- quickstart: runs, and shows what it promises --------------------------------
