@@ -127,11 +127,14 @@ class SegmentWriter:
     def write(self, data: memoryview) -> str | None:
         """Copy ``data`` into a new segment: its name, or None when there is no room."""
         name = f"{self.prefix}-{self.tag}n{next(self._numbers)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, _OPEN_NEW, 0o600)
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), _OPEN_NEW, 0o600)
+        except OSError:
+            return None  # no inode left, or no /dev/shm for us: stay in the pickle
         written = False
         try:
-            _reserve(fd, len(data))
+            # write(2), never stores through a mapping: a full tmpfs fails
+            # here with ENOSPC instead of killing us with SIGBUS.
             _write_all(fd, data)
             written = True
         except OSError:
@@ -141,14 +144,6 @@ class SegmentWriter:
             if not written:
                 _unlink(name)
         return name
-
-
-def _reserve(fd: int, size: int) -> None:
-    """Claim the space first: writing past a full tmpfs fails cleanly here."""
-    if hasattr(os, "posix_fallocate"):
-        os.posix_fallocate(fd, 0, size)
-    else:
-        os.ftruncate(fd, size)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
