@@ -161,3 +161,16 @@ def test_every_module_is_in_the_layout_table():
         if name == "xla_magic/launcher/__init__.py":
             continue
         assert f"| `{name}` |" in text, f"README's layout table does not describe {name}"
+
+
+def test_the_first_example_shows_what_it_prints(spawn):
+    text = readme()
+    cell = re.search(r"```python\n(%%xla_spawn[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
+    assert cell, "README's first %%xla_spawn example and its output are missing"
+    line, body, shown = cell.group(1), cell.group(2), cell.group(3).splitlines()
+    run = spawn(line[len("%%xla_spawn") :], body)
+    *lines, value = shown
+    assert repr(run.value) == value
+    for printed in lines:
+        if printed != "...":
+            assert printed in run.lines(), f"the example shows {printed!r}, the cell printed {run.lines()}"
