@@ -92,11 +92,6 @@ def host_bytes(root: int) -> int:
 
 
 @contextmanager
-def _no_sampling() -> Iterator[list[int]]:
-    yield [0]
-
-
-@contextmanager
 def peak_extra_memory(root: int) -> Iterator[list[int]]:
     """Yields a list that holds, afterwards, the peak bytes above the start."""
     result: list[int] = []
@@ -185,8 +180,9 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 # A rank of the baseline, started fresh (as multiprocessing's spawn does) and
-# waiting: read the pickle from its pipe, load it, read the tensor, reply, and
-# hold the value until told, as a cell holds what it reads.
+# waiting. Per value: read the pickle from its pipe, load it, read the tensor,
+# reply, and hold the value until told, as a cell holds what it reads. It
+# leaves when its pipe closes.
 WORKER = """
 import os, pickle, struct, sys
 import torch
@@ -199,18 +195,73 @@ def read_exactly(size):
     while got < size:
         count = os.readv(inbox, [view[got:]])
         if count == 0:
-            sys.exit(1)
+            sys.exit(0)
         got += count
     return buffer
 
 os.write(outbox, b"r")
-(size,) = struct.unpack("!Q", read_exactly(8))
-received = read_exactly(size)
-namespace = pickle.loads(received)
-del received
-os.write(outbox, struct.pack("!d", float(namespace["shipped"].sum())))
-read_exactly(1)
+while True:
+    (size,) = struct.unpack("!Q", read_exactly(8))
+    received = read_exactly(size)
+    namespace = pickle.loads(received)
+    del received
+    os.write(outbox, struct.pack("!d", float(namespace["shipped"].sum())))
+    read_exactly(1)
+    del namespace
 """
+
+
+class PipeRanks:
+    """8 baseline worker processes, each behind a pipe of its own."""
+
+    def __init__(self) -> None:
+        self.workers: list[tuple[subprocess.Popen, int, int]] = []
+        try:
+            for _ in range(RANKS):
+                self.workers.append(self._start())
+            for _, _, from_worker in self.workers:
+                _read_exactly(from_worker, 1)  # started and waiting
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _start() -> tuple[subprocess.Popen, int, int]:
+        worker_in, to_worker = os.pipe()
+        from_worker, worker_out = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(worker_in), str(worker_out)], pass_fds=(worker_in, worker_out)
+        )
+        os.close(worker_in)
+        os.close(worker_out)
+        return process, to_worker, from_worker
+
+    def ship(self, value: Any) -> tuple[float, list[float]]:
+        """Pickle once, send to every worker at once; seconds until all have read it."""
+        import cloudpickle
+
+        started = time.perf_counter()
+        data = cloudpickle.dumps({"shipped": value})
+        frame = struct.pack("!Q", len(data))
+        senders = [threading.Thread(target=_send, args=(w, frame, data)) for _, w, _ in self.workers]
+        for sender in senders:
+            sender.start()
+        sums = [struct.unpack("!d", _read_exactly(r, 8))[0] for _, _, r in self.workers]
+        elapsed = time.perf_counter() - started
+        for sender in senders:
+            sender.join()
+        return elapsed, sums
+
+    def release(self) -> None:
+        for _, to_worker, _ in self.workers:
+            _write_all(to_worker, b"x")
+
+    def close(self) -> None:
+        for process, to_worker, from_worker in self.workers:
+            os.close(to_worker)
+            os.close(from_worker)
+            process.wait()
+        self.workers = []
 
 
 def _send(fd: int, *parts: bytes) -> None:
@@ -218,57 +269,27 @@ def _send(fd: int, *parts: bytes) -> None:
         _write_all(fd, part)
 
 
-def _start_worker() -> tuple[subprocess.Popen, int, int]:
-    worker_in, to_worker = os.pipe()
-    from_worker, worker_out = os.pipe()
-    process = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(worker_in), str(worker_out)], pass_fds=(worker_in, worker_out)
-    )
-    os.close(worker_in)
-    os.close(worker_out)
-    return process, to_worker, from_worker
-
-
 def ship_baseline(nbytes: int) -> tuple[float, int]:
-    """Wall time, then peak extra memory (a second run), of the baseline."""
-    elapsed, _ = _ship_through_pipes(nbytes, sample_memory=False)
-    _, peak = _ship_through_pipes(nbytes, sample_memory=True)
-    return elapsed, peak
-
-
-def _ship_through_pipes(nbytes: int, sample_memory: bool) -> tuple[float, int]:
-    """cloudpickle through a pipe to each of 8 fresh, waiting worker processes."""
-    import cloudpickle
+    """Median wall time, then peak extra memory (a run of its own), of the baseline."""
     import torch
 
-    workers = [_start_worker() for _ in range(RANKS)]
+    value = torch.ones(nbytes // 4)
+    expected = [float(nbytes // 4)] * RANKS
+    ranks = PipeRanks()
     try:
-        for _, _, from_worker in workers:
-            _read_exactly(from_worker, 1)  # started and waiting
-        value = torch.ones(nbytes // 4)
-        with peak_extra_memory(os.getpid()) if sample_memory else _no_sampling() as peak:
-            started = time.perf_counter()
-            data = cloudpickle.dumps({"shipped": value})
-            frame = struct.pack("!Q", len(data))
-            senders = [threading.Thread(target=_send, args=(w, frame, data)) for _, w, _ in workers]
-            for sender in senders:
-                sender.start()
-            sums = [struct.unpack("!d", _read_exactly(r, 8))[0] for _, _, r in workers]
-            elapsed = time.perf_counter() - started
-            for sender in senders:
-                sender.join()
-            del data, senders
-        assert sums == [float(nbytes // 4)] * RANKS, sums
+        times = []
+        for _ in range(SHIP_RUNS):
+            elapsed, sums = ranks.ship(value)
+            ranks.release()
+            assert sums == expected, sums
+            times.append(elapsed)
+        with peak_extra_memory(os.getpid()) as peak:
+            _, sums = ranks.ship(value)
+        ranks.release()
+        assert sums == expected, sums
     finally:
-        for process, to_worker, from_worker in workers:
-            try:
-                _write_all(to_worker, b"x")
-            except OSError:
-                pass
-            os.close(to_worker)
-            os.close(from_worker)
-            process.wait()
-    return elapsed, peak[0]
+        ranks.close()
+    return statistics.median(times), peak[0]
 
 
 def baseline_size() -> int:
