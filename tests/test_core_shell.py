@@ -251,3 +251,21 @@ def test_unload_stops_every_process_and_reload_works(ip, spawn):
     finally:
         ip.run_line_magic("load_ext", "xla_magic")
     assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+def test_a_cell_ending_in_print_shows_no_list_of_nones(ip, spawn):
+    run = spawn("--devices 2 --out printed", "print('only output', rank)")
+    assert run.value is None
+    assert ip.user_ns["printed"] == [None, None]
+    assert "[rank 1] only output 1" in run.lines()
+
+
+def test_libtpu_in_the_kernel_is_seen_in_its_memory_map(tmp_path):
+    from xla_magic import probe
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 0 08:01 42 /usr/lib/python3/site-packages/libtpu/libtpu.so\n")
+    assert probe.libtpu_loaded(str(maps))
+    maps.write_text("7f00-7f10 r-xp 0 08:01 42 /usr/lib/libc.so.6\n")
+    assert not probe.libtpu_loaded(str(maps))
+    assert not probe.libtpu_loaded()  # this process: torch is here, libtpu is not

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import time
 
 import nbformat

@@ -327,7 +327,7 @@ def test_ranks_that_ignore_interrupts_break_the_pool_and_the_next_cell_says_so(i
 )
 def test_a_crashed_rank_breaks_the_pool_and_the_next_cell_does_not_hang(ip, pool, spawn, crash, pattern):
     pids = pool_pids(ip)
-    cell = f"if rank == 1:\n" + "".join(f"    {line}\n" for line in crash.splitlines()) + "rank"
+    cell = "if rank == 1:\n" + "".join(f"    {line}\n" for line in crash.splitlines()) + "rank"
     with pytest.raises(RankError, match=pattern) as info:
         spawn("", cell)
     assert 1 in info.value.ranks

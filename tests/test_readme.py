@@ -118,7 +118,7 @@ def source_text() -> str:
 
 def fragments(message: str) -> list[str]:
     """The literal runs of a message: what stays once example values are cut out."""
-    parts = re.split(r"'[^']*'|\([^)]*\)|\d+(?:\.\d+)?G?|/dev/\S+|strategy\.\w+|: |, so ", message)
+    parts = re.split(r"'[^']*'|\([^)]*\)|\d+(?:\.\d+)?G?|/dev/\S+|strategy\.\w+|%%?xla_\w+|: |, so ", message)
     return [part.strip(" :,.") for part in parts if len(part.strip(" :,.").split()) >= 2]
 
 

@@ -88,7 +88,7 @@ def test_panel_after_a_run_that_succeeds(ip, spawn, panel):
         assert row["cells"][5] == f"step 2 of rank {rank}"  # last line
         assert row["cells"][4] == "-"  # the CPU runtime reports no device memory
     assert "the CPU runtime does not report it" in panel.ranks.value
-    assert f'data-outcome="done"' in panel.ranks.value
+    assert 'data-outcome="done"' in panel.ranks.value
     assert history_rows(panel)[0]["run"] == str(run.run_id)
     assert history_rows(panel)[0]["cells"][1] == "for i in range(3):"
     assert panel.interrupt.disabled
@@ -145,9 +145,9 @@ def test_panel_follows_new_runs_after_listeners_were_cleared(ip, spawn, panel):
     assert history_rows(panel)[0]["run"] == str(session.history[-1].run_id)
 
 
-def test_ranks_report_no_device_memory_on_cpu(spawn):
-    run = spawn("--devices 2", "from xla_magic.launcher.rank import device_memory\ndevice_memory(device)")
-    assert run.value == [None, None]
+def test_ranks_report_no_device_memory_on_cpu(ip, spawn):
+    spawn("--devices 2 --out memory", "from xla_magic.launcher.rank import device_memory\ndevice_memory(device)")
+    assert ip.user_ns["memory"] == [None, None]
 
 
 def test_memory_figures_are_shown_where_the_runtime_reports_them():

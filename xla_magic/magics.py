@@ -12,8 +12,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import payload, pool as rank_pool, probe, widget
-from xla_magic.session import RunSpec, Session
+from xla_magic import pool as rank_pool, widget
+from xla_magic.session import Session
 
 
 def device_count(text: str) -> int:
@@ -80,37 +80,25 @@ class XlaMagics(Magics):
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
+        live = _in_notebook(self.shell)
         pool = rank_pool.current(self.session)
         if pool is not None and not args.fresh:
             results = rank_pool.run_cell(
                 self.session, cell, args.devices, args.backend, args.timeout,
-                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=_in_notebook(self.shell),
+                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=live,
             )
-            if args.out:
-                self.shell.user_ns[args.out] = results
-            return results
-        if pool is not None:
-            pool.check_fresh_allowed()
-        try:
-            placement = probe.place(args.backend, args.devices)
-        except probe.PlacementError as exc:
-            raise UsageError(str(exc)) from exc
-        refusal = probe.kernel_xla_runtime()
-        if refusal:
-            raise UsageError(f"%%xla_spawn refused: {refusal}")
-        run_id = self.session.next_run_id()
-        filename = f"<xla_spawn cell {run_id}>"
-        cell_payload = payload.build(cell, filename, self.shell.user_ns, self.shell.user_ns_hidden)
-        spec = RunSpec(
-            payload=cell_payload,
-            backend=placement.backend,
-            devices=placement.devices,
-            cpu_threads=placement.cpu_threads,
-            timeout=args.timeout,
-        )
-        results = self.session.run(spec, run_id, cell, live_lines=_in_notebook(self.shell))
+        else:
+            if pool is not None:
+                pool.check_fresh_allowed()
+            results = self.session.spawn(
+                cell, args.backend, args.devices, args.timeout,
+                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=live,
+            )
         if args.out:
             self.shell.user_ns[args.out] = results
+        # Like a cell ending in print(...): nothing worth showing.
+        if results is not None and all(value is None for value in results):
+            return None
         return results
 
     @magic_arguments()

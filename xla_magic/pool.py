@@ -39,6 +39,8 @@ from xla_magic.session import (
     Session,
     _Conn,
     describe_exit,
+    plan,
+    refuse_if_kernel_holds_devices,
 )
 
 RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
@@ -564,13 +566,7 @@ def start(session: Session, devices: int | None, backend: str | None, live_lines
         running.check_fits(devices, backend or "auto")
         print(f"the pool is already running: {running.describe()}")
         return running
-    try:
-        placement = probe.place(backend or "auto", devices)
-    except probe.PlacementError as exc:
-        raise UsageError(str(exc)) from exc
-    refusal = probe.kernel_xla_runtime()
-    if refusal:
-        raise UsageError(f"%xla_pool start refused: {refusal}")
+    placement = plan(backend or "auto", devices, "%xla_pool start")
     _ready_launcher(session)
     pool = Pool(placement, backend or "auto")
     run_id = session.next_run_id()
@@ -627,9 +623,7 @@ def run_cell(
     pool = session.pool
     pool.check_fits(devices, backend)
     pool.check_usable()
-    refusal = probe.kernel_xla_runtime()
-    if refusal:
-        raise UsageError(f"%%xla_spawn refused: {refusal}")
+    refuse_if_kernel_holds_devices("%%xla_spawn")
     run_id = session.next_run_id()
     filename = f"<xla_spawn cell {run_id}>"
     has_result, names = pool.analyse(cell, filename)

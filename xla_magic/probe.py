@@ -96,6 +96,32 @@ def kernel_imported_torch_xla() -> bool:
     return "torch_xla" in sys.modules
 
 
+def libtpu_loaded(maps_path: str = "/proc/self/maps") -> bool:
+    """Whether this process has libtpu mapped (and so may hold the TPU)."""
+    try:
+        with open(maps_path, encoding="utf-8", errors="replace") as maps:
+            return any("libtpu" in line for line in maps)
+    except OSError:
+        return False
+
+
+def kernel_holds_libtpu() -> str | None:
+    """Why the kernel cannot spawn on a TPU it holds through libtpu, or None.
+
+    A TPU build of TensorFlow (or JAX) imported in the kernel loads libtpu,
+    which claims the chips just as an XLA runtime would.
+    """
+    if find_tpu() is None or not libtpu_loaded():
+        return None
+    culprits = [name for name in ("tensorflow", "jax") if name in sys.modules]
+    how = f" (imported here: {', '.join(culprits)})" if culprits else ""
+    return (
+        f"this kernel has loaded libtpu{how}, which holds the TPU, so no rank can "
+        "open it. Restart the kernel and don't import tensorflow or jax in it; "
+        "import them inside %%xla_spawn cells if a rank needs them."
+    )
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a run goes: backend, rank count, and the tpu path on CPU threads."""

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol, transport
+from xla_magic import payload as payload_module
+from xla_magic import probe, protocol, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.payload import Payload
 
@@ -63,6 +64,22 @@ def describe_exit(code: int | None) -> str:
     name = signal_name(code)
     hint = SIGNAL_HINTS.get(name)
     return f"{name}: {hint}" if hint else name
+
+
+def plan(backend: str, devices: int | None, action: str) -> probe.Placement:
+    """Where ``action`` would run, or the UsageError that says why it cannot."""
+    try:
+        placement = probe.place(backend, devices)
+    except probe.PlacementError as exc:
+        raise UsageError(str(exc)) from exc
+    refuse_if_kernel_holds_devices(action)
+    return placement
+
+
+def refuse_if_kernel_holds_devices(action: str) -> None:
+    refusal = probe.kernel_xla_runtime() or probe.kernel_holds_libtpu()
+    if refusal:
+        raise UsageError(f"{action} refused: {refusal}")
 
 
 # --- the launcher -----------------------------------------------------------
@@ -577,6 +594,29 @@ class Session:
     def next_run_id(self) -> int:
         self.run_count += 1
         return self.run_count
+
+    def spawn(
+        self,
+        cell: str,
+        backend: str,
+        devices: int | None,
+        timeout: float | None,
+        user_ns: dict[str, Any],
+        hidden: dict[str, Any],
+        live_lines: bool = False,
+    ) -> list[Any] | None:
+        """A ``%%xla_spawn`` cell in newly spawned ranks: results by rank."""
+        placement = plan(backend, devices, "%%xla_spawn")
+        run_id = self.next_run_id()
+        cell_payload = payload_module.build(cell, f"<xla_spawn cell {run_id}>", user_ns, hidden)
+        spec = RunSpec(
+            payload=cell_payload,
+            backend=placement.backend,
+            devices=placement.devices,
+            cpu_threads=placement.cpu_threads,
+            timeout=timeout,
+        )
+        return self.run(spec, run_id, cell, live_lines=live_lines)
 
     def run(self, spec: RunSpec, run_id: int, cell: str, live_lines: bool = False) -> list[Any] | None:
         launcher = self.ensure_launcher()
