@@ -54,3 +54,24 @@ def spawn(ip):
 
 def kernel_is_xla_free() -> bool:
     return "torch_xla" not in sys.modules and "_XLAC" not in sys.modules
+
+
+def assert_same(got: Any, expected: Any, where: str, exact: bool = True) -> None:
+    """Compare nested lists/tensors/values; tensors by dtype and value.
+
+    ``exact=False`` compares tensor values with allclose (shapes must match).
+    """
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, f"{where}: {got!r}"
+        same = torch.equal(got, expected) if exact else (
+            got.shape == expected.shape and torch.allclose(got, expected)
+        )
+        assert same, f"{where}: {got} != {expected}"
+    elif isinstance(expected, list):
+        assert isinstance(got, list) and len(got) == len(expected), f"{where}: {got!r}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert_same(g, e, f"{where}[{i}]", exact)
+    else:
+        assert got == expected, f"{where}: {got!r} != {expected!r}"

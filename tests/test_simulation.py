@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import kernel_is_xla_free
+from conftest import assert_same, kernel_is_xla_free
 from xla_magic.display import RankError
 
 # --- a data-parallel training cell written for a TPU ---------------------------
@@ -169,18 +169,6 @@ def expected_collectives(n: int, r: int) -> dict:
         "step": torch.full((2,), -(n + 1) / 2),
         "broadcast": torch.tensor([float(n)]),
     }
-
-
-def assert_same(got, expected, where: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, f"{where}: {got!r}"
-        assert torch.equal(got, expected), f"{where}: {got} != {expected}"
-    elif isinstance(expected, list):
-        assert isinstance(got, list) and len(got) == len(expected), f"{where}: {got!r}"
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(g, e, f"{where}[{i}]")
-    else:
-        assert got == expected, f"{where}: {got!r} != {expected!r}"
 
 
 @pytest.mark.parametrize("devices", [1, 2, 8])

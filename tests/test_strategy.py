@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import kernel_is_xla_free
+from conftest import assert_same, kernel_is_xla_free
 from xla_magic.kernel_strategy import OutsideSpawnError
 
 SURFACE = """
@@ -88,18 +88,6 @@ def expected_surface(n: int, r: int) -> dict:
     }
 
 
-def assert_same(got, expected, where: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, f"{where}: {got!r}"
-        assert got.shape == expected.shape and torch.allclose(got, expected), f"{where}: {got} != {expected}"
-    elif isinstance(expected, list):
-        assert isinstance(got, list) and len(got) == len(expected), f"{where}: {got!r}"
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert_same(g, e, f"{where}[{i}]")
-    else:
-        assert got == expected, f"{where}: {got!r} != {expected!r}"
-
-
 @pytest.mark.parametrize("devices", [1, 2, 8])
 def test_every_strategy_method_on_the_simulation(spawn, devices):
     run = spawn(f"--devices {devices} --backend cpu", SURFACE)
@@ -107,7 +95,7 @@ def test_every_strategy_method_on_the_simulation(spawn, devices):
         expected = expected_surface(devices, rank)
         assert got.keys() == expected.keys()
         for name in expected:
-            assert_same(got[name], expected[name], f"rank {rank} {name}")
+            assert_same(got[name], expected[name], f"rank {rank} {name}", exact=False)
 
 
 CHECKPOINT = """

@@ -369,15 +369,22 @@ class Run:
         closed = self.supervisor_closed_at
         return closed is not None and time.monotonic() - closed > DRAIN_TIMEOUT
 
+    @staticmethod
+    def _receive(conn: _Conn) -> bytes | None:
+        """What the socket holds now: b"" once it closed, None if nothing yet."""
+        try:
+            return conn.sock.recv(1 << 20)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
     def _pump(self, timeout: float) -> None:
         for key, _mask in self.selector.select(timeout):
             conn: _Conn = key.data
-            try:
-                data = conn.sock.recv(1 << 20)
-            except BlockingIOError:
+            data = self._receive(conn)
+            if data is None:
                 continue
-            except OSError:
-                data = b""
             if not data:
                 self._closed(conn)
             elif conn.reader is None:
