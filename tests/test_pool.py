@@ -10,12 +10,15 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
+import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
+from xla_magic import transport
 from xla_magic.display import RankError, RunInterrupted
 
 
@@ -41,15 +44,28 @@ def gone(pids: set[int]) -> bool:
     return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
+def segments_left() -> list[str]:
+    """This kernel's segments in /dev/shm now."""
+    return transport.segment_names(transport.kernel_prefix())
+
+
+def mapped_here(prefix: str) -> list[str]:
+    """The segments under ``prefix`` that this process maps, named or already unlinked."""
+    with open("/proc/self/maps") as maps:
+        return [line.split(maxsplit=5)[5].strip() for line in maps if prefix in line]
+
+
 @pytest.fixture
 def pool(ip):
-    """A 2-rank pool in the shared shell, always stopped afterwards."""
+    """A 2-rank pool in the shared shell, always stopped afterwards, leaving no shared memory."""
     pool_magic(ip, "start --devices 2 --backend cpu")
+    prefix = ip._xla_magic_session.pool.shipping.held.segments.prefix
     try:
         yield ip._xla_magic_session.pool
     finally:
         pool_magic(ip, "stop")
         assert ip._xla_magic_session.pool is None
+    assert segments_left() == [] and mapped_here(prefix) == []
 
 
 @pytest.fixture
@@ -63,14 +79,19 @@ def thread_pool(ip, monkeypatch):
         pool_magic(ip, "stop")
 
 
-def interrupt_once_running(ranks: int) -> str:
-    """A folder; once ``ranks`` files are in it, SIGINT this process (the stop button)."""
+def interrupt_once_running(ranks: int, seen: list | None = None) -> str:
+    """A folder; once ``ranks`` files are in it, SIGINT this process (the stop button).
+
+    Just before, it appends the segments in /dev/shm at that moment to ``seen``.
+    """
     folder = tempfile.mkdtemp(prefix="xla_magic-test-")
 
     def watch() -> None:
         deadline = time.monotonic() + 60
         while len(glob.glob(os.path.join(folder, "*"))) < ranks and time.monotonic() < deadline:
             time.sleep(0.02)
+        if seen is not None:
+            seen.append(segments_left())
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -259,6 +280,120 @@ def test_no_pool_commands_without_a_pool(ip):
         ip.run_line_magic("xla_pool", "pull x")
 
 
+# --- large values: through shared memory, once for every rank ---------------------
+
+BIG = 1 << 20  # float32 elements: 4 MiB, above transport's 1 MiB threshold
+
+# Defined in cells: which file backs the memory at an address, as /proc/self/maps says.
+BACKING = """
+def backing(address):
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(part, 16) for part in fields[0].split("-"))
+        if start <= address < end:
+            return " ".join(fields[5:])
+    return ""
+"""
+
+# Defined in cells: the segments this rank holds open (descriptors, its own views' included).
+OPEN_SEGMENTS = """
+import os
+def open_segments():
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the descriptor listdir itself used
+    return sorted(link for link in links if "xla_magic-" in link)
+"""
+
+
+def segment_path() -> str:
+    return os.path.join(transport.SHM_DIR, transport.kernel_prefix())
+
+
+def test_large_values_reach_every_rank_through_one_segment_and_stay_private(ip, pool, spawn):
+    weights = torch.arange(BIG, dtype=torch.float32).reshape(1024, -1)
+    table = np.random.default_rng(0).random((512, 512))
+    ip.user_ns.update(weights=weights, table=table)
+    cell = BACKING + (
+        "seen = (weights.clone(), table.copy())\n"
+        "weights[0, 0] = 1000 + rank\n"
+        "table[0, 0] = -1 - rank\n"
+        "strategy.barrier()\n"
+        "(backing(weights.data_ptr()), backing(table.ctypes.data), float(weights[0, 0]), float(table[0, 0]), seen)"
+    )
+    first = spawn("", cell).value
+    files = {(weights_file, table_file) for weights_file, table_file, *_ in first}
+    assert len(files) == 1  # both ranks map the same two files: each value went once
+    ((weights_file, table_file),) = files
+    assert weights_file.startswith(segment_path()) and table_file.startswith(segment_path())
+    assert weights_file != table_file
+    assert [written for _, _, *written, _ in first] == [[1000.0, -1.0], [1001.0, -2.0]]  # each rank's own
+    for *_, (weights_seen, table_seen) in first:
+        assert torch.equal(weights_seen, weights) and np.array_equal(table_seen, table)
+    assert float(weights[0, 0]) == 0.0 and table[0, 0] != -1.0  # the kernel's values are untouched
+    assert segments_left() == []  # the names went with the cell; the ranks keep the memory
+
+    # Unchanged: not written again, and the last cell's writes do not leak into this one.
+    second = spawn("", BACKING + "(backing(weights.data_ptr()), float(weights[0, 0]), float(table[0, 0]))").value
+    assert second == [(f"{weights_file} (deleted)", 0.0, float(table[0, 0]))] * 2
+
+
+def test_a_changed_large_value_reaches_the_next_cell_and_a_dropped_one_is_let_go(ip, pool, spawn):
+    weights = torch.zeros(BIG)
+    ip.user_ns.update(weights=weights, table=np.ones((512, 512)))
+    where = BACKING + "(backing(weights.data_ptr()), backing(table.ctypes.data), float(weights[1]), float(table.sum()))"
+    before, _ = spawn("", where).value
+    weights.numpy()[1] = 7.0  # a write through numpy: torch's version counter does not see it
+    ip.user_ns["table"] = np.full((512, 512), 2.0)  # a new object
+    after, _ = spawn("", where).value
+    assert after[2:] == (7.0, 2.0 * 512 * 512)
+    for now, then in zip(after[:2], before[:2]):
+        assert now.startswith(segment_path()) and now != then
+        assert not now.endswith("(deleted)")  # named: written for this very cell
+    assert segments_left() == []
+
+    spawn("", "del weights")  # the rank's own view of it
+    del ip.user_ns["weights"], weights  # the kernel's value dies: its segment goes too
+    held = spawn("", OPEN_SEGMENTS + "(open_segments(), float(table.sum()))").value
+    for segments, total in held:
+        assert segments and all(segment == after[1] + " (deleted)" for segment in segments)  # the table's only
+        assert total == 2.0 * 512 * 512
+
+
+def test_interrupt_while_a_large_value_is_shipped_leaves_nothing_and_keeps_it(ip, pool, spawn):
+    seen: list[list[str]] = []
+    ip.user_ns.update(weights=torch.ones(BIG), marks=interrupt_once_running(2, seen))
+    with pytest.raises(RunInterrupted, match="keeps its ranks"):
+        spawn("", "summed_before = float(weights.sum())\n" + BUSY_UNTIL_INTERRUPTED)
+    assert len(seen[0]) == 1 and segments_left() == []  # there during the cell, gone after
+    assert spawn("", "(float(weights.sum()), summed_before)").value == [(float(BIG), float(BIG))] * 2
+
+
+def test_a_crash_that_breaks_the_pool_leaves_no_shared_memory(ip, pool, spawn):
+    prefix = pool.shipping.held.segments.prefix
+    ip.user_ns["weights"] = torch.ones(BIG)
+    spawn("", "float(weights.sum())")
+    assert len(mapped_here(prefix)) == 1  # the kernel keeps its copy to compare with
+    ip.user_ns["fresh"] = torch.zeros(BIG)  # shipped by the cell that crashes
+    with pytest.raises(RankError, match="exit code 3"):
+        spawn("", "import os\nfloat(fresh.sum())\nif rank == 1:\n    os._exit(3)\nfloat(weights.sum())")
+    assert pool.state == "broken"
+    assert segments_left() == [] and mapped_here(prefix) == []
+
+
+def test_push_sends_a_large_value_through_shared_memory(ip, pool, spawn):
+    ip.user_ns["pushed"] = torch.arange(BIG, dtype=torch.float32)
+    pool_magic(ip, "push pushed")
+    assert segments_left() == []
+    del ip.user_ns["pushed"]
+    run = spawn("", BACKING + "(backing(pushed.data_ptr()), float(pushed[-1]))")
+    for backing, last in run.value:
+        assert backing.startswith(segment_path()) and backing.endswith("(deleted)") and last == BIG - 1
+
+
 # --- compiled graphs ---------------------------------------------------------------
 
 
@@ -355,6 +490,12 @@ def test_tpu_launch_path_keeps_namespaces_and_survives_an_interrupt(ip, thread_p
     assert thread_pool.backend == "tpu" and thread_pool.cpu_threads
     run = spawn("", "import os, threading\nkept = (rank, os.getpid())\nthreading.current_thread().name")
     assert all(name != "MainThread" for name in run.value)
+    # Rank threads share a process, yet each maps its own copy-on-write view.
+    ip.user_ns["weights"] = torch.zeros(BIG)
+    cell = "import time\nweights[rank] = 1 + rank\ntime.sleep(0.3)\nweights[:2].tolist()"
+    assert spawn("", cell).value == [[1.0, 0.0], [0.0, 2.0]]
+    assert spawn("", "weights[:2].tolist()").value == [[0.0, 0.0]] * 2
+    assert float(ip.user_ns["weights"].abs().sum()) == 0.0 and segments_left() == []
     ip.user_ns["marks"] = interrupt_once_running(2)
     with pytest.raises(RunInterrupted, match="keeps its ranks"):
         spawn("", BUSY_UNTIL_INTERRUPTED)
@@ -376,9 +517,13 @@ def test_unload_stops_the_pool_and_every_rank(ip, spawn):
     pool_magic(ip, "start --devices 2 --backend cpu")
     pids = pool_pids(ip)
     supervisor = ip._xla_magic_session.pool.supervisor_pid
+    prefix = ip._xla_magic_session.pool.shipping.held.segments.prefix
+    assert spawn("", "float(weights.sum())", weights=torch.ones(BIG)).value == [float(BIG)] * 2
+    assert len(mapped_here(prefix)) == 1
     ip.run_line_magic("unload_ext", "xla_magic")
     try:
         assert gone(pids | {supervisor})
+        assert segments_left() == [] and mapped_here(prefix) == []
     finally:
         ip.run_line_magic("load_ext", "xla_magic")
     assert ip._xla_magic_session.pool is None

@@ -5,6 +5,11 @@ their namespace, their device and torch_xla's compiled graphs; the kernel
 keeps the same private socket pairs open for the pool's life and sends each
 request (a cell, pushed values, a pull) on every rank's events socket.
 
+Large tensors and arrays that a cell reads go to the ranks once, through one
+shared-memory segment each, and stay with them while unchanged
+(:class:`HeldValues`); the rest of what a cell reads travels as a pickle,
+sent again only when it changed (:class:`Shipping`).
+
 A request is followed by :class:`PoolRun`, a :class:`~xla_magic.session.Run`
 with a different start (send on the open sockets) and a different end (every
 asked rank said DONE), so output, results, errors and fail-fast are the
@@ -15,18 +20,24 @@ is *broken*: every later request says so and how to restart, without waiting.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import io
+import mmap
 import os
+import pickle
 import selectors
 import signal
 import socket
 import time
 import types
+import weakref
 from typing import Any, Mapping
 
+import cloudpickle
 from IPython.core.error import UsageError
 
-from xla_magic import payload, probe, protocol
+from xla_magic import payload, probe, protocol, transport
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.session import (
     READY_TIMEOUT,
@@ -53,22 +64,138 @@ _ANALYSED_CELLS_KEPT = 128
 # --- what the ranks already hold ------------------------------------------------
 
 
+class HeldValues:
+    """Large kernel tensors and arrays that the pool's ranks keep in shared memory.
+
+    Each is written once into a segment. The kernel keeps a mapping of it (to
+    compare against) and every rank keeps a descriptor of it (to map a fresh
+    copy-on-write view for every cell), so the segment's name is needed only
+    while the cell that first ships it runs: :meth:`settle` unlinks it then.
+
+    The rule for "unchanged", checked at every cell that reads the value: the
+    same kernel object, with the same bytes as its segment. The bytes are
+    compared with memcmp at memory speed (about 0.05 s per GiB, where hashing
+    takes 0.8 s), which is exact whatever wrote to the value: in-place ops,
+    ``.data``, numpy views (torch's version counter misses the last two). A
+    non-contiguous tensor or array is copied to contiguous for the comparison.
+    A changed value gets a new segment. A segment is dropped when its kernel
+    object dies, when its value changes, and when the pool stops or breaks.
+    """
+
+    def __init__(self) -> None:
+        self.segments = transport.RunSegments()
+        self._held: dict[int, _Held] = {}  # id of the kernel object -> its segment
+        self._new: list[int] = []  # ids whose segment this request wrote
+
+    def reduce(self, obj: Any) -> tuple | None:
+        """A stand-in for ``obj`` naming its segment when it is large, else None."""
+        large = transport.large_value(obj)
+        if large is None:
+            return None
+        held = self._held.get(id(obj))
+        if held is None or held.kernel_value() is not obj or not held.has_bytes_of(large):
+            held = self._write(obj, large)
+            if held is None:
+                return None  # no room in /dev/shm: it goes in the pickle
+        return transport.held_segment, (large.kind, held.name, large.args)
+
+    def _write(self, obj: Any, large: transport.LargeValue) -> _Held | None:
+        self._drop(id(obj))
+        name = self.segments.writer.write(large.data)
+        if name is None:
+            return None
+        key = id(obj)
+        held = _Held(name, transport.map_private(name), weakref.ref(obj, lambda ref: self._forget(key, ref)))
+        self._held[key] = held
+        self._new.append(key)
+        return held
+
+    def names(self) -> tuple[str, ...]:
+        """The segments the ranks must keep open; they close any other."""
+        return tuple(held.name for held in list(self._held.values()))  # a GC may drop one meanwhile
+
+    def settle(self, delivered: bool) -> None:
+        """After a request: unlink the new names (every rank opened them, or none ever will).
+
+        Undelivered, the new segments are forgotten too, so the next cell writes them again.
+        """
+        new, self._new = self._new, []
+        try:
+            self.segments.sweep()
+        finally:
+            if not delivered:
+                for key in new:
+                    self._drop(key)
+
+    def release(self) -> None:
+        """Drop every segment: the pool's ranks are gone."""
+        self._held.clear()
+        self._new = []
+        self.segments.sweep()
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        """The kernel object died: its segment goes (the ranks close theirs at the next cell)."""
+        held = self._held.get(key)
+        if held is not None and held.kernel_value is ref:
+            del self._held[key]
+
+    def _drop(self, key: int) -> None:
+        self._held.pop(key, None)
+
+
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+class _Held:
+    """One held segment, as the kernel sees it: its name, its bytes mapped, whose they are."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, kernel_value: weakref.ref) -> None:
+        self.name = name
+        self.kernel_value = kernel_value
+        self.size = len(mapping)
+        self._start = ctypes.c_char.from_buffer(mapping)  # holds the mapping open as long as we do
+
+    def has_bytes_of(self, large: transport.LargeValue) -> bool:
+        return len(large.data) == self.size and _memcmp(ctypes.addressof(self._start), large.address, self.size) == 0
+
+
+class _HeldPickler(cloudpickle.Pickler):
+    """cloudpickle that puts large tensors and arrays in the pool's held segments."""
+
+    def __init__(self, file: io.BytesIO, held: HeldValues) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.held = held
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = self.held.reduce(obj)
+        return reduced if reduced is not None else super().reducer_override(obj)
+
+
 class Shipping:
     """The kernel values the ranks hold, so that only changed ones travel.
 
     Plain values (numbers, strings, modules) are compared by identity: the
-    same object cannot have changed. The others are pickled together, as in
-    a one-shot run, and sent only when that pickle differs from the last one
-    sent; the ranks load their copy afresh for every cell.
+    same object cannot have changed. The others are pickled together, with
+    large tensors and arrays as references to :class:`HeldValues` segments,
+    and the pickle is sent only when it differs from the last one sent; the
+    ranks load their copy afresh for every cell, large values included (as
+    new copy-on-write views), so a cell's in-place change never reaches the
+    next cell.
     """
 
     def __init__(self) -> None:
         self.plain: dict[str, Any] = {}
+        self.held = HeldValues()
         self.objects_sent: tuple[tuple[str, ...], bytes] | None = None  # (names, digest)
         self._objects_going: tuple[tuple[str, ...], bytes] | None = None
 
     def fields(self, values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The CELL message's shipping fields, and the plain values they send."""
+        """The CELL message's shipping fields, and the plain values they send.
+
+        Call :meth:`settle` afterwards, however the request goes.
+        """
         plain_names: list[str] = []
         changed: dict[str, Any] = {}
         objects: dict[str, Any] = {}
@@ -81,7 +208,7 @@ class Shipping:
                 objects[name] = value
         blob = None
         if objects:
-            pickled = payload.pickle_namespace(objects)
+            pickled = self._pickle_objects(objects)
             key = (tuple(objects), hashlib.blake2b(pickled, digest_size=16).digest())
             if key != self.objects_sent:
                 blob = pickled
@@ -91,14 +218,28 @@ class Shipping:
             "plain": payload.pickle_namespace(changed) if changed else None,
             "object_names": tuple(objects),
             "objects": blob,
+            "held": self.held.names(),
         }
         return fields, changed
+
+    def _pickle_objects(self, objects: dict[str, Any]) -> bytes:
+        buffer = io.BytesIO()
+        try:
+            _HeldPickler(buffer, self.held).dump(objects)
+        except Exception:
+            payload.pickle_namespace(objects)  # raises the UsageError that names the culprit
+            raise
+        return buffer.getvalue()
 
     def sent(self, changed: dict[str, Any], fields: dict[str, Any]) -> None:
         """Remember what every rank now holds (call once the request went out)."""
         self.plain.update(changed)
         if fields["object_names"]:
             self.objects_sent = self._objects_going
+
+    def settle(self, delivered: bool) -> None:
+        """After the request, however it went: see :meth:`HeldValues.settle`."""
+        self.held.settle(delivered)
 
 
 # --- the pool ---------------------------------------------------------------------
@@ -211,6 +352,7 @@ class Pool:
             self.kill()
             if self.supervisor is not None:
                 self.supervisor.sock.close()
+            self.shipping.held.release()
             self.state = "stopped"
 
     def _wait_for_supervisor(self, timeout: float) -> None:
@@ -379,6 +521,7 @@ class PoolRun(Run):
                 self.pool.state = "ready"
             elif self.pool.state == "broken":
                 self.pool.kill()  # what is left of a broken pool only holds memory and devices
+                self.pool.shipping.held.release()
 
     def _interrupted_message(self) -> str:
         if self.pool.state == "broken":
@@ -628,18 +771,23 @@ def run_cell(
     filename = f"<xla_spawn cell {run_id}>"
     has_result, names = pool.analyse(cell, filename)
     values = payload.select_names(names, user_ns, hidden)
-    shipping, changed = pool.shipping.fields(values)
-    seq = pool.next_seq()
-    request = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
-                              has_result=has_result, **shipping)
-    spec = _request_spec(pool, cell, has_result, timeout)
-    record = RunRecord(run_id, cell, pool.backend, pool.devices)
-    _remember(session, record)
-    run = PoolRun(pool, spec, record, seq, request, session, live_lines=live_lines)
-    run.start()
-    pool.shipping.sent(changed, shipping)
-    pool.cells += 1
-    return run.wait()
+    delivered = False
+    try:
+        shipping, changed = pool.shipping.fields(values)
+        seq = pool.next_seq()
+        request = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
+                                  has_result=has_result, **shipping)
+        spec = _request_spec(pool, cell, has_result, timeout)
+        record = RunRecord(run_id, cell, pool.backend, pool.devices)
+        _remember(session, record)
+        run = PoolRun(pool, spec, record, seq, request, session, live_lines=live_lines)
+        run.start()
+        delivered = True
+        pool.shipping.sent(changed, shipping)
+        pool.cells += 1
+        return run.wait()
+    finally:
+        pool.shipping.settle(delivered)
 
 
 def _exchange(session: Session, kind: str, label: str, ranks: list[int] | None, has_result: bool,
@@ -669,8 +817,12 @@ def push(session: Session, names: list[str], user_ns: Mapping[str, Any]) -> None
     if missing:
         raise UsageError(f"no notebook variable named {', '.join(missing)} to push")
     values = {name: user_ns[name] for name in names}
-    _exchange(session, protocol.PUSH, f"%xla_pool push {' '.join(names)}", None, False,
-              values=payload.pickle_namespace(values))
+    segments = transport.RunSegments()  # large values: mapped by every rank, unlinked once all have
+    try:
+        _exchange(session, protocol.PUSH, f"%xla_pool push {' '.join(names)}", None, False,
+                  values=payload.pickle_namespace(values, segments))
+    finally:
+        segments.sweep()
 
 
 def pull(session: Session, name: str, rank: int | None) -> Any:

@@ -13,6 +13,10 @@ the write stays private to that rank. Smaller values stay in the pickle.
 Ranks -> kernel: large results are written the same way; the kernel maps the
 file, unlinks it at once, and so owns the memory outright.
 
+A pool's ranks (pool.py, launcher/pool.py) keep what a cell read for the
+next cells: the pickle names each segment through :func:`held_segment`, every
+rank keeps a descriptor of it, and each cell maps a fresh copy-on-write view.
+
 Every file is named ``xla_magic-<pid namespace>-<kernel pid>-<run token>-<tag>``.
 The kernel sweeps a run's prefix when the run ends, however it ends, and
 sweeps the files of kernels that died.
@@ -31,7 +35,7 @@ import secrets
 import sys
 import tempfile
 import weakref
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import cloudpickle
 
@@ -160,11 +164,22 @@ def _open_segment(name: str, writable_file: bool) -> tuple[int, int]:
     return fd, os.fstat(fd).st_size
 
 
+def open_segment(name: str) -> int:
+    """A read-only descriptor of a shipped segment; the memory outlives the name with it."""
+    return _open_segment(name, writable_file=False)[0]
+
+
+def map_private_fd(fd: int) -> mmap.mmap:
+    """A copy-on-write view of an open segment: a write stays in this view."""
+    size = os.fstat(fd).st_size
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 def map_private(name: str) -> mmap.mmap:
     """A rank's copy-on-write view of a shipped segment."""
-    fd, size = _open_segment(name, writable_file=False)
+    fd = open_segment(name)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return map_private_fd(fd)
     finally:
         os.close(fd)
 
@@ -209,6 +224,34 @@ def _large_array(obj: Any, threshold: int) -> bool:
     )
 
 
+TENSOR, ARRAY = "tensor", "array"
+
+
+class LargeValue(NamedTuple):
+    """A large tensor or array as it goes into a segment."""
+
+    kind: str  # TENSOR or ARRAY
+    args: tuple  # what rebuilds it besides its bytes (see view_on)
+    data: memoryview  # its bytes, contiguous
+    address: int  # where ``data`` starts
+    owner: Any  # keeps ``data`` alive: the value itself, or its contiguous copy
+
+
+def large_value(obj: Any, threshold: int = THRESHOLD) -> LargeValue | None:
+    """``obj`` as a LargeValue when it is a large CPU tensor or array, else None."""
+    if _large_tensor(obj, threshold):
+        plain, data = _tensor_bytes(obj)
+        dtype = str(plain.dtype).removeprefix("torch.")
+        parameter = type(obj) is not sys.modules["torch"].Tensor
+        args = (dtype, tuple(plain.shape), obj.requires_grad, parameter)
+        return LargeValue(TENSOR, args, data, plain.data_ptr(), plain)
+    if _large_array(obj, threshold):
+        order, flat = _array_bytes(obj)
+        data = memoryview(flat.view(sys.modules["numpy"].uint8))
+        return LargeValue(ARRAY, (obj.dtype, obj.shape, order), data, flat.__array_interface__["data"][0], flat)
+    return None
+
+
 def _tensor_bytes(tensor: Any) -> tuple[Any, memoryview]:
     """A contiguous tensor with the same values, and a view of its bytes."""
     plain = tensor.detach().resolve_conj().resolve_neg().contiguous()
@@ -216,15 +259,13 @@ def _tensor_bytes(tensor: Any) -> tuple[Any, memoryview]:
     return plain, memoryview((ctypes.c_ubyte * size).from_address(plain.data_ptr())).cast("B")
 
 
-def _array_bytes(array: Any) -> tuple[str, memoryview]:
-    """The array's memory order and a view of its bytes (copied only if strided)."""
+def _array_bytes(array: Any) -> tuple[str, Any]:
+    """The array's memory order and its elements in that order (copied only if strided)."""
     import numpy
 
     if array.flags.f_contiguous and not array.flags.c_contiguous:
-        order, flat = "F", array.ravel(order="K")
-    else:
-        order, flat = "C", numpy.ascontiguousarray(array).reshape(-1)
-    return order, memoryview(flat.view(numpy.uint8))
+        return "F", array.ravel(order="K")
+    return "C", numpy.ascontiguousarray(array).reshape(-1)
 
 
 # --- rebuilding (called by pickle.loads; referenced by name in the pickle) -----
@@ -261,6 +302,20 @@ def adopted_array(name: str, dtype: Any, shape: tuple[int, ...], order: str) -> 
     return _array_on(adopt(name), dtype, shape, order)
 
 
+def view_on(buffer: mmap.mmap, kind: str, args: tuple) -> Any:
+    """The tensor or array that a LargeValue's ``kind`` and ``args`` describe, on ``buffer``."""
+    return _tensor_on(buffer, *args) if kind == TENSOR else _array_on(buffer, *args)
+
+
+def held_segment(kind: str, name: str, args: tuple) -> Any:
+    """In a pickle for a pool's ranks: a large value the ranks keep open in shared memory.
+
+    Only a pool rank's loader resolves it (xla_magic/launcher/pool.py), to a
+    fresh copy-on-write view for every cell; anywhere else it is an error.
+    """
+    raise RuntimeError(f"segment {name!r} is held by a pool's ranks; only their loader can open it")
+
+
 # --- pickling -----------------------------------------------------------------
 
 SHIP = "ship"  # kernel -> ranks: every rank maps the segment copy-on-write
@@ -294,18 +349,12 @@ class SharedMemoryPickler(cloudpickle.Pickler):
 
     def reduce_to_segment(self, obj: Any) -> tuple | None:
         """``(rebuild, args)`` for a large tensor or array written to a segment, else None."""
-        if _large_tensor(obj, self.threshold):
-            plain, data = _tensor_bytes(obj)
-            name = self.writer.write(data)
-            dtype = str(plain.dtype).removeprefix("torch.")
-            parameter = type(obj) is not sys.modules["torch"].Tensor
-            args = (name, dtype, tuple(plain.shape), obj.requires_grad, parameter)
-            return None if name is None else (self._tensor_rebuild, args)
-        if _large_array(obj, self.threshold):
-            order, data = _array_bytes(obj)
-            name = self.writer.write(data)
-            return None if name is None else (self._array_rebuild, (name, obj.dtype, obj.shape, order))
-        return None
+        large = large_value(obj, self.threshold)
+        name = None if large is None else self.writer.write(large.data)
+        if name is None:
+            return None
+        rebuild = self._tensor_rebuild if large.kind == TENSOR else self._array_rebuild
+        return rebuild, (name, *large.args)
 
 
 class _Discard:
