@@ -137,7 +137,9 @@ class XlaMagics(Magics):
         ``%xla_pool start [--devices N] [--backend B]`` starts the ranks once;
         later ``%%xla_spawn`` cells run in them, and each rank keeps its own
         namespace, device and compiled graphs between cells (kernel variables a
-        cell reads are still shipped, when they changed). ``%xla_pool push
+        cell reads are still shipped, when they changed; large tensors and
+        arrays go once through shared memory and stay there while they are
+        the same object with the same bytes). ``%xla_pool push
         NAME...`` sends notebook values into every rank's namespace; ``%xla_pool
         pull NAME [--rank R]`` stores the ranks' values (a list by rank, or rank
         R's) in the notebook variable NAME. ``%xla_pool restart`` replaces the
