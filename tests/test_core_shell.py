@@ -269,3 +269,43 @@ def test_libtpu_in_the_kernel_is_seen_in_its_memory_map(tmp_path):
     maps.write_text("7f00-7f10 r-xp 0 08:01 42 /usr/lib/libc.so.6\n")
     assert not probe.libtpu_loaded(str(maps))
     assert not probe.libtpu_loaded()  # this process: torch is here, libtpu is not
+
+
+def test_progress_updates_keep_only_the_live_part_of_a_line():
+    import io
+    from contextlib import redirect_stdout
+
+    from xla_magic.display import TaggedOutput
+
+    output = TaggedOutput()
+    shown = io.StringIO()
+    with redirect_stdout(shown):
+        for i in range(20_000):
+            output.feed(0, "stdout", f"\rstep {i}".encode())
+        partial = output._streams[(0, "stdout")].partial
+        output.feed(0, "stdout", b"\rab\r")
+        output.feed(0, "stdout", b"xyz\n")
+    assert partial == "\rstep 19999"  # not 20,000 updates kept in memory
+    assert shown.getvalue() == "[rank 0] xyz\n"
+
+
+def test_a_name_the_cell_binds_before_reading_is_not_shipped(ip, spawn):
+    import threading
+
+    ip.user_ns["held"] = threading.Lock()  # unpicklable, but the cell makes its own
+    ip.user_ns["steps"] = 3
+    try:
+        run = spawn("--devices 2", "held = {'rank': rank}\nfor _ in range(steps):\n    pass\nheld['rank'] * steps")
+        assert run.value == [0, 3]
+        with pytest.raises(UsageError, match="'held'"):
+            spawn("--devices 2", "print(held)\nheld = 1")  # read first: the notebook's value is needed
+    finally:
+        del ip.user_ns["held"], ip.user_ns["steps"]
+
+
+@pytest.mark.parametrize(
+    "cell, shown",
+    [("rank  # a comment;", True), ("rank;  # quiet", False), ("rank;", False), ("x = ';'\nx", True)],
+)
+def test_only_a_real_trailing_semicolon_hides_the_result(spawn, cell, shown):
+    assert (spawn("--devices 1", cell).value is not None) is shown

@@ -303,6 +303,7 @@ def test_collectives_listen_on_loopback_only(ip, spawn):
     finally:
         done.set()
         watcher.join()
+    assert seen, "gloo opened no listener: the cell did not exercise a collective"
     assert all(conn.laddr.ip in ("127.0.0.1", "::1") for conn in seen), seen
 
 
@@ -346,3 +347,41 @@ def test_subprocesses_a_cell_leaves_behind_are_ended(ip, spawn):
             time.sleep(0.1)
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert_nothing_left(ip)
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        pytest.param("strategy", id="the-rank-strategy"),
+        pytest.param("import torch_xla.core.xla_model as xm\nxm", id="a-torch_xla-module"),
+        pytest.param("import torch_xla\ndef uses_xla():\n    return torch_xla.device()\nuses_xla", id="a-function-needing-torch_xla"),
+    ],
+)
+def test_results_that_would_import_torch_xla_into_the_kernel_are_refused(spawn, cell):
+    from conftest import kernel_is_xla_free
+
+    with pytest.raises(RankError, match="which the kernel must not import") as info:
+        spawn("--devices 2", cell)
+    assert info.value.ranks == [0, 1]
+    assert kernel_is_xla_free()
+    assert not any(name.startswith("xla_magic.launcher") for name in __import__("sys").modules)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_an_exception_whose_str_fails_is_still_reported(spawn, monkeypatch, backend):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    cell = (
+        "class Unprintable(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('no words')\n"
+        "if rank == 0:\n"
+        "    raise Unprintable()\n"
+        "rank"
+    )
+    started = time.monotonic()
+    with pytest.raises(RankError, match="Unprintable") as info:
+        spawn(f"--devices 2 --backend {backend}", cell)
+    assert time.monotonic() - started < HANG_BOUND
+    assert info.value.ranks == [0]
+    assert "str() of this Unprintable failed: RuntimeError: no words" in str(info.value)
+    assert "raise Unprintable()" in "\n".join(info.value._render_traceback_())

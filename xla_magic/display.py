@@ -39,6 +39,16 @@ def settle_carriage_returns(line: str) -> str:
     return line if cut < 0 else line[cut + 1 :]
 
 
+def drop_overwritten(partial: str) -> str:
+    """The unfinished line without the text a later ``\r`` already replaced.
+
+    Keeps the ``\r`` itself, so what arrives next still overwrites; without
+    this an hour of progress-bar updates would make one huge line.
+    """
+    cut = partial.rfind("\r", 0, len(partial) - 1)
+    return partial[cut:] if cut > 0 else partial
+
+
 @dataclass
 class _RankStream:
     rank: int
@@ -75,12 +85,10 @@ class TaggedOutput:
         if state is None:
             state = self._streams[(rank, stream)] = _RankStream(rank, stream)
         text = state.partial + state.decoder.decode(data)
-        if "\n" not in text:
-            state.partial = text
-            self._update_live(state)
-            return
-        *complete, state.partial = text.split("\n")
-        self._emit(state, complete)
+        if "\n" in text:
+            *complete, text = text.split("\n")
+            self._emit(state, complete)
+        state.partial = drop_overwritten(text)
         self._update_live(state)
 
     def finish(self) -> list[str]:

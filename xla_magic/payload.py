@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import io
+import tokenize
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -42,7 +44,19 @@ def compile_cell(source: str, filename: str) -> bool:
     compile(body, filename, "exec")
     if last is not None:
         compile(last, filename, "eval")
-    return last is not None and not source.rstrip().endswith(";")
+    return last is not None and not ends_with_semicolon(source)
+
+
+def ends_with_semicolon(source: str) -> bool:
+    """A trailing ``;`` hides the result, as in IPython (comments don't count)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    ignored = {tokenize.NEWLINE, tokenize.NL, tokenize.COMMENT, tokenize.ENDMARKER,
+               tokenize.INDENT, tokenize.DEDENT}
+    meaningful = [token for token in tokens if token.type not in ignored]
+    return bool(meaningful) and meaningful[-1].string == ";"
 
 
 def split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression | None]:
@@ -54,13 +68,56 @@ def split_last_expression(tree: ast.Module) -> tuple[ast.Module, ast.Expression 
 
 
 def names_read(source: str) -> set[str]:
-    """Every name the cell loads, in any scope inside it."""
+    """The names the cell may read from the notebook, in any scope inside it.
+
+    A name the cell binds before it ever reads it (``model = Net()`` as the
+    first top-level statement that mentions ``model``) is left out: the cell
+    makes its own, so the notebook's value, picklable or not, is not needed.
+    """
     tree = ast.parse(source)
+    loaded = _loads(tree)
+    return loaded - _bound_before_read(tree.body)
+
+
+def _loads(node: ast.AST) -> set[str]:
     return {
-        node.id
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del))
+        child.id
+        for child in ast.walk(node)
+        if isinstance(child, ast.Name) and isinstance(child.ctx, (ast.Load, ast.Del))
     }
+
+
+_UNCONDITIONAL_BINDINGS = (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom,
+                           ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _bound_before_read(statements: list[ast.stmt]) -> set[str]:
+    bound: set[str] = set()
+    seen: set[str] = set()
+    for statement in statements:
+        loads = _loads(statement)
+        if isinstance(statement, _UNCONDITIONAL_BINDINGS):
+            bound |= _targets(statement) - loads - seen
+        seen |= loads | _targets(statement)
+    return bound
+
+
+def _targets(statement: ast.stmt) -> set[str]:
+    """Names a top-level statement binds for certain."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {statement.name}
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names}
+    if isinstance(statement, ast.AnnAssign):
+        return {statement.target.id} if statement.value is not None and isinstance(statement.target, ast.Name) else set()
+    if isinstance(statement, ast.Assign):
+        return {
+            node.id
+            for target in statement.targets
+            for node in ast.walk(target)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+        }
+    return set()
 
 
 def select_names(

@@ -447,6 +447,8 @@ class Run:
             return
         try:
             self.results[rank] = transport.load_result(fields["value"])
+        except transport.ResultRefused as exc:
+            self._fail(rank, "ResultRefused", str(exc))
         except Exception as exc:
             self._fail(
                 rank,

@@ -25,6 +25,7 @@ sweeps the files of kernels that died.
 from __future__ import annotations
 
 import ctypes
+import io
 import itertools
 import math
 import mmap
@@ -423,6 +424,53 @@ def load_namespace(data: bytes) -> tuple[dict[str, Any], str | None]:
     return values, prefix
 
 
+# What a result may not make the kernel import: torch_xla (the kernel must
+# stay XLA-free) and the launcher package (it belongs to rank processes).
+_KERNEL_FORBIDDEN = ("torch_xla", "_XLAC", "xla_magic.launcher")
+_MODULE_IMPORTERS = {("cloudpickle.cloudpickle", "subimport"), ("cloudpickle.cloudpickle", "dynamic_subimport")}
+
+
+def _forbidden_in_kernel(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in _KERNEL_FORBIDDEN)
+
+
+class ResultRefused(pickle.UnpicklingError):
+    """A result that would import torch_xla or the launcher into the kernel."""
+
+
+class _KernelUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if _forbidden_in_kernel(module):
+            raise ResultRefused(_refusal(f"{module}.{name}"))
+        found = super().find_class(module, name)
+        if (module, name) in _MODULE_IMPORTERS:
+            return _guarded_import(found)
+        return found
+
+
+def _guarded_import(importer: Any) -> Any:
+    """cloudpickle imports modules by name while loading: screen the name."""
+
+    def load(name: str, *args: Any) -> Any:
+        if _forbidden_in_kernel(name):
+            raise ResultRefused(_refusal(f"the module {name}"))
+        return importer(name, *args)
+
+    return load
+
+
+def _refusal(what: str) -> str:
+    return (
+        f"the result holds {what}, which the kernel must not import (torch_xla there "
+        f"would stop every later spawn). Return plain values: tensors (XLA tensors come "
+        f"back on the CPU), numbers, strings, and lists or dicts of them."
+    )
+
+
 def load_result(data: bytes) -> Any:
-    """A rank's result; its segments become memory of this process (kernel side)."""
-    return pickle.loads(data)
+    """A rank's result; its segments become memory of this process (kernel side).
+
+    Refuses (ResultRefused) anything that would import torch_xla or the
+    launcher package into the kernel.
+    """
+    return _KernelUnpickler(io.BytesIO(data)).load()

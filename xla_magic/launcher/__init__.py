@@ -1,5 +1,8 @@
 """The launcher side: runs outside the kernel only.
 
 This package may import torch and torch_xla; the kernel side never imports
-it. It depends on nothing in the kernel side except ``xla_magic.protocol``.
+it. Of the rest of xla_magic it uses only the modules shared by both sides,
+which import nothing of IPython: ``protocol`` (events and framing),
+``transport`` (shared-memory data) and ``kernel_strategy`` (the
+``from xla_magic import strategy`` object, which resolves to the rank's own).
 """

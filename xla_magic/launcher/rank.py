@@ -178,11 +178,19 @@ def format_error(exc: BaseException, filename: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def exception_message(exc: BaseException) -> str:
+    """``str(exc)``, even for an exception whose ``__str__`` itself raises."""
+    try:
+        return str(exc)
+    except Exception as broken:
+        return f"<str() of this {type(exc).__name__} failed: {type(broken).__name__}: {broken}>"
+
+
 def report_error(channel: protocol.Channel, exc: BaseException, filename: str) -> None:
     channel.send(
         protocol.ERROR,
         type=type(exc).__name__,
-        message=str(exc),
+        message=exception_message(exc),
         traceback=format_error(exc, filename),
     )
 
