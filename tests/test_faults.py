@@ -385,3 +385,30 @@ def test_an_exception_whose_str_fails_is_still_reported(spawn, monkeypatch, back
     assert info.value.ranks == [0]
     assert "str() of this Unprintable failed: RuntimeError: no words" in str(info.value)
     assert "raise Unprintable()" in "\n".join(info.value._render_traceback_())
+
+
+def test_one_shot_tpu_path_ranks_get_the_interrupt(ip, spawn, monkeypatch, tmp_path):
+    """The tpu launch path's ranks are threads of xmp.spawn's workers: the
+    interrupt reaches each as KeyboardInterrupt, so the cell's own handler runs."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    session = ip._xla_magic_session
+    cell = (
+        "import time\n"
+        "try:\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "except KeyboardInterrupt:\n"
+        "    open(f'{marks}/{rank}', 'w').close()\n"
+        "    raise\n"
+    )
+    sent = interrupt_when_running(ip)
+    try:
+        with pytest.raises(RunInterrupted):
+            spawn("--backend tpu --devices 2", cell, marks=str(tmp_path))
+    finally:
+        session.listeners.clear()
+    assert sent.is_set()
+    assert sorted(os.listdir(tmp_path)) == ["0", "1"]
+    assert session.history[-1].outcome == "interrupted"
+    assert_nothing_left(ip)
+

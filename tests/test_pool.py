@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import re
@@ -79,10 +80,11 @@ def thread_pool(ip, monkeypatch):
         pool_magic(ip, "stop")
 
 
-def interrupt_once_running(ranks: int, seen: list | None = None) -> str:
+def interrupt_once_running(ranks: int, seen: list | None = None, again_after: float | None = None) -> str:
     """A folder; once ``ranks`` files are in it, SIGINT this process (the stop button).
 
     Just before, it appends the segments in /dev/shm at that moment to ``seen``.
+    With ``again_after``, it interrupts a second time that many seconds later.
     """
     folder = tempfile.mkdtemp(prefix="xla_magic-test-")
 
@@ -93,9 +95,35 @@ def interrupt_once_running(ranks: int, seen: list | None = None) -> str:
         if seen is not None:
             seen.append(segments_left())
         os.kill(os.getpid(), signal.SIGINT)
+        if again_after is not None:
+            time.sleep(again_after)
+            os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=watch, daemon=True).start()
     return folder
+
+
+def when_requested(ip, action) -> None:
+    """Run ``action`` in a thread as soon as the next request goes to the ranks (once)."""
+    session = ip._xla_magic_session
+
+    def listener(record) -> None:
+        if all(state.state == "running" for state in record.ranks.values()):
+            session.listeners.remove(listener)
+            threading.Thread(target=action, daemon=True).start()
+
+    session.listeners.append(listener)
+
+
+def epoll_descriptors() -> int:
+    """How many selectors (epoll instances) this process holds open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventpoll]"
+        except OSError:
+            pass  # the descriptor listdir itself used
+    return count
 
 
 BUSY_UNTIL_INTERRUPTED = "open(f'{marks}/{rank}', 'w').close()\nwhile True:\n    spin = 1\n"
@@ -394,6 +422,20 @@ def test_push_sends_a_large_value_through_shared_memory(ip, pool, spawn):
         assert backing.startswith(segment_path()) and backing.endswith("(deleted)") and last == BIG - 1
 
 
+def test_large_results_and_pulled_values_come_back_through_shared_memory(ip, pool, spawn):
+    prefix = pool.results.prefix
+    run = spawn("", f"import torch\nbig = torch.full(({BIG},), float(rank))\nbig")
+    assert [float(value[-1]) for value in run.value] == [0.0, 1.0]
+    # The kernel maps each rank's segment and unlinked it at once: it owns the memory.
+    assert len(mapped_here(prefix)) == 2 and all(line.endswith("(deleted)") for line in mapped_here(prefix))
+    pool_magic(ip, "pull big --rank 1")
+    assert float(ip.user_ns["big"].sum()) == float(BIG) and len(mapped_here(prefix)) == 3
+    assert segments_left() == []
+    del run, ip.user_ns["big"]
+    gc.collect()  # a finished run's bookkeeping holds its results in reference cycles
+    assert mapped_here(prefix) == []
+
+
 # --- compiled graphs ---------------------------------------------------------------
 
 
@@ -483,6 +525,63 @@ def test_a_rank_killed_between_cells_is_noticed_before_the_next_cell_runs(ip, po
         spawn("", "rank")
 
 
+def test_an_interrupt_that_comes_before_a_rank_reads_its_request_still_stops_the_cell(ip, pool, spawn):
+    spawn("", "survivor = rank")
+    pids = list(pool.pids.values())
+
+    def interrupt_then_wake_the_ranks() -> None:
+        time.sleep(0.3)  # the request is in the ranks' sockets; they are stopped, so unread
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)  # the kernel's first SIGINT is pending in the stopped ranks
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)  # they take it while idle (ignored), then read the cell
+
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    when_requested(ip, interrupt_then_wake_the_ranks)
+    try:
+        with pytest.raises(RunInterrupted, match="keeps its ranks"):
+            spawn("", "while True:\n    spin = 1")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert pool.state == "ready"
+    assert spawn("", "survivor").value == [0, 1]
+
+
+def test_an_interrupt_while_a_request_is_sent_breaks_the_pool_and_leaks_nothing(ip, pool, spawn):
+    selectors_before = epoll_descriptors()
+    pids = pool.pids
+    os.kill(pids[0], signal.SIGSTOP)  # rank 0 reads nothing: the large request below fills its socket
+    ip.user_ns["bulky"] = list(range(2_000_000))  # ~10 MB of pickle, sent inline
+    when_requested(ip, lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGINT)))
+    with pytest.raises(RunInterrupted, match="request to rank 0 was cut off.*%xla_pool restart"):
+        spawn("", "len(bulky)")
+    del ip.user_ns["bulky"]
+    assert pool.state == "broken" and gone(set(pids.values()))
+    assert ip._xla_magic_session.history[-1].outcome == "interrupted"
+    assert epoll_descriptors() == selectors_before  # the pool's own, and no other
+    with pytest.raises(UsageError, match="broken"):
+        spawn("", "rank")
+
+
+def test_a_rank_that_keeps_printing_in_the_background_does_not_hold_up_its_cells(pool, spawn):
+    # Large writes straight to the descriptor: the socket refills faster than the kernel reads it.
+    cell = (
+        "import os, threading\n"
+        "hush = threading.Event()\n"
+        "def chatter():\n"
+        "    lines = b'background chatter\\n' * 10000\n"
+        "    while not hush.is_set():\n"
+        "        os.write(1, lines)\n"
+        "threading.Thread(target=chatter, daemon=True).start()\n"
+        "rank"
+    )
+    assert spawn("", cell).value == [0, 1]
+    assert spawn("", "rank * 2").value == [0, 2]
+    assert spawn("", "hush.set()\nrank").value == [0, 1]
+
+
 # --- the tpu launch path (rank threads) ---------------------------------------------
 
 
@@ -501,6 +600,23 @@ def test_tpu_launch_path_keeps_namespaces_and_survives_an_interrupt(ip, thread_p
         spawn("", BUSY_UNTIL_INTERRUPTED)
     values = spawn("", "kept").value
     assert [r for r, _ in values] == [0, 1] and len({pid for _, pid in values}) == 1
+
+
+def test_rank_threads_in_native_code_are_waited_for_and_a_second_interrupt_stops_them(ip, thread_pool, spawn):
+    spawn("", "survivor = rank")
+    # time.sleep is native code: a rank thread takes its KeyboardInterrupt only once it returns.
+    ip.user_ns["marks"] = interrupt_once_running(2)
+    sleeper = "import time\nopen(f'{marks}/{rank}', 'w').close()\ntime.sleep(4)\nwhile True:\n    spin = 1\n"
+    with capture_output() as captured, pytest.raises(RunInterrupted, match="keeps its ranks"):
+        ip.run_cell_magic("xla_spawn", "", sleeper)
+    assert "waiting up to 30 s for rank(s) 0, 1 to leave native code; interrupt again" in captured.stdout
+    assert thread_pool.state == "ready" and spawn("", "survivor").value == [0, 1]
+
+    ip.user_ns["marks"] = interrupt_once_running(2, again_after=4.0)
+    with capture_output() as captured, pytest.raises(RunInterrupted, match="second interrupt.*%xla_pool restart"):
+        ip.run_cell_magic("xla_spawn", "", "import time\nopen(f'{marks}/{rank}', 'w').close()\ntime.sleep(600)")
+    assert "waiting up to 30 s" in captured.stdout
+    assert thread_pool.state == "broken"
 
 
 def test_tpu_launch_path_crash_breaks_the_pool(ip, thread_pool, spawn):

@@ -13,12 +13,14 @@ import sys
 import textwrap
 from html.parser import HTMLParser
 
+import psutil
 import pytest
+from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
 from xla_magic import widget
 from xla_magic.display import RankError, RunInterrupted
-from xla_magic.session import RankState, RunRecord, Session
+from xla_magic.session import RankState, RunRecord
 
 
 class Rows(HTMLParser):
@@ -62,8 +64,6 @@ def panel(ip):
 
 def test_text_outside_a_notebook_says_how_to_get_the_widget(ip, spawn):
     spawn("--devices 2", "print('warm', rank)")
-    from IPython.utils.capture import capture_output
-
     with capture_output() as captured:
         ip.run_line_magic("xla_status", "")
     text = captured.stdout
@@ -159,30 +159,29 @@ def test_memory_figures_are_shown_where_the_runtime_reports_them():
     assert widget.format_memory(None) == "-"
 
 
-def test_pool_row_and_stop_pool_button():
-    class StandInPool:  # the shape %xla_pool's pool offers the panel
-        def __init__(self) -> None:
-            self.state = "ready"
-
-        def describe(self) -> str:
-            return "4 ranks, idle" if self.state != "stopped" else "stopped"
-
-        def stop(self) -> None:
-            self.state = "stopped"
-
-    session = Session()
-    panel = widget.StatusPanel(session)
+def test_pool_row_and_stop_pool_button(ip, panel):
+    session = ip._xla_magic_session
+    panel.redraw()
     assert panel.stop_pool.disabled
     assert "none (%xla_pool start" in panel.facts.value
-    session.pool = StandInPool()
-    panel.redraw()
-    assert not panel.stop_pool.disabled
-    assert "4 ranks, idle" in panel.facts.value
-    panel.stop_pool.click()
-    assert session.pool.state == "stopped"
+    with capture_output():
+        ip.run_line_magic("xla_pool", "start --devices 2 --backend cpu")
+    pool = session.pool
+    try:
+        ranks = [psutil.Process(pid) for pid in pool.pids.values()]
+        panel.redraw()
+        assert not panel.stop_pool.disabled
+        assert "ready: 2 ranks on the cpu backend" in panel.facts.value
+        panel.stop_pool.click()
+    finally:
+        with capture_output():
+            ip.run_line_magic("xla_pool", "stop")
+    assert pool.state == "stopped" and session.pool is None
     assert "pool stopped" in panel.message.value
-    assert ">stopped<" in panel.facts.value
+    assert "none (%xla_pool start" in panel.facts.value
     assert panel.stop_pool.disabled
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
 
 
 def test_badge_turns_red_when_the_kernel_holds_an_xla_runtime():

@@ -8,19 +8,24 @@ request (a cell, pushed values, a pull) on every rank's events socket.
 Large tensors and arrays that a cell reads go to the ranks once, through one
 shared-memory segment each, and stay with them while unchanged
 (:class:`HeldValues`); the rest of what a cell reads travels as a pickle,
-sent again only when it changed (:class:`Shipping`).
+sent again only when it changed (:class:`Shipping`). Large results and
+pulled values come back the same way, under the pool's results prefix.
 
 A request is followed by :class:`PoolRun`, a :class:`~xla_magic.session.Run`
-with a different start (send on the open sockets) and a different end (every
-asked rank said DONE), so output, results, errors and fail-fast are the
-one-shot run's own. Stopping a request sends SIGINT to the rank processes;
-ranks that answer keep the pool, ranks that do not are killed and the pool
+with a different start (send on the open sockets, watched by one selector
+for the pool's life) and a different end (every asked rank said DONE), so
+output, results, errors and fail-fast are the one-shot run's own. Stopping a
+request sends SIGINT to the rank processes, again and again until they
+answer (a rank still reading the request is not yet listening); rank
+threads (the tpu launch path) stuck in native code get THREAD_STOP_GRACE.
+Ranks that answer keep the pool; ranks that do not are killed and the pool
 is *broken*: every later request says so and how to restart, without waiting.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import io
 import mmap
@@ -29,6 +34,8 @@ import pickle
 import selectors
 import signal
 import socket
+import sys
+import termios
 import time
 import types
 import weakref
@@ -44,6 +51,7 @@ from xla_magic.session import (
     STOP_GRACE,
     Launcher,
     LauncherError,
+    RankState,
     Run,
     RunRecord,
     RunSpec,
@@ -57,6 +65,10 @@ from xla_magic.session import (
 RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
 EXIT_CODE_WAIT = 1.0  # after a rank's socket closes, how long to wait for its exit code
 STOP_WAIT = 5.0  # how long the ranks get to leave after the kernel closes their sockets
+# Rank threads (the tpu launch path) take an interrupt only between bytecodes,
+# so one in native code (an XLA compile, .item(), a sleep) gets this long.
+THREAD_STOP_GRACE = 30.0
+RESEND_INTERRUPT = 0.25  # while a rank has not answered, SIGINT again this often
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 _ANALYSED_CELLS_KEPT = 128
 
@@ -262,56 +274,78 @@ class Pool:
         self.supervisor: _Conn | None = None
         self.events: list[_Conn] = []
         self.outputs: list[_Conn] = []
+        self.selector = selectors.DefaultSelector()  # every socket of the pool, for its whole life
         self.supervisor_pid: int | None = None
-        self.pids: dict[int, int] = {}
+        self.ranks: dict[int, RankState] = {}  # the start's record of each rank: pid, ...
+        self.thread_ranks: set[int] = set()  # ranks that are threads of a shared process
         self.started = time.time()
         self.start_seconds: float | None = None
         self.cells = 0
         self.shipping = Shipping()
+        self.results = transport.RunSegments()  # where ranks put large results and pulled values
+        self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
         self._seq = 0
         self._analysed: dict[str, tuple[bool, frozenset[str]]] = {}
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each rank's process id (rank threads share one)."""
+        return {rank: state.pid for rank, state in self.ranks.items() if state.pid is not None}
 
     # -- sockets and processes -------------------------------------------
 
     def open_sockets(self) -> list[socket.socket]:
-        """Make the pool's socket pairs; the ends its job hands to the launcher."""
+        """Make the pool's socket pairs, watched by its selector; the ends its job hands to the launcher."""
         theirs: list[socket.socket] = []
         ours, remote = socket.socketpair()
         self.supervisor = _Conn(ours, None, "supervisor")
+        self.selector.register(ours, selectors.EVENT_READ, self.supervisor)
         theirs.append(remote)
         for rank in range(self.devices):
             for kind in ("events", "stdout", "stderr"):
                 ours, remote = socket.socketpair()
                 conn = _Conn(ours, rank, kind)
                 (self.events if kind == "events" else self.outputs).append(conn)
+                self.selector.register(ours, selectors.EVENT_READ, conn)
                 theirs.append(remote)
         return theirs
-
-    def conns(self) -> list[_Conn]:
-        conns = [self.supervisor] if self.supervisor is not None else []
-        return [c for c in conns + self.events + self.outputs if c.sock.fileno() >= 0]
 
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
     def send(self, rank: int, frame: bytes) -> None:
-        """Write one request on a rank's events socket (OSError: the rank is gone)."""
+        """Write one request on a rank's events socket (OSError: the rank is gone).
+
+        Whatever stops it part-way (an interrupt, a rank that stopped reading)
+        leaves a partial frame the rank cannot read past: the pool is broken.
+        """
         sock = self.events[rank].sock
+        sent = 0
         try:
-            sent = sock.send(frame)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(frame):
-            sock.settimeout(READY_TIMEOUT)  # a large request: let the rank read it
             try:
-                sock.sendall(memoryview(frame)[sent:])
-            finally:
-                sock.setblocking(False)
+                sent = sock.send(frame)
+            except BlockingIOError:
+                pass
+            if sent < len(frame):
+                sock.settimeout(READY_TIMEOUT)  # a large request: let the rank read it
+                try:
+                    rest = memoryview(frame)[sent:]
+                    while rest:
+                        written = sock.send(rest)
+                        sent += written
+                        rest = rest[written:]
+                finally:
+                    sock.setblocking(False)
+        except BaseException as exc:
+            if 0 < sent < len(frame):
+                self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(exc).__name__})")
+            raise
 
     def interrupt(self, ranks: list[int]) -> None:
         """SIGINT to the processes of ``ranks`` (threads of one process share it)."""
-        for pid in {self.pids[rank] for rank in ranks if rank in self.pids}:
+        pids = self.pids
+        for pid in {pids[rank] for rank in ranks if rank in pids}:
             try:
                 os.kill(pid, signal.SIGINT)
             except ProcessLookupError:
@@ -343,6 +377,7 @@ class Pool:
         """End the ranks: close their sockets (they leave their loop), then make sure."""
         if self.state == "stopped":
             return
+        self.selector.close()
         for conn in self.events + self.outputs:
             conn.sock.close()
         try:
@@ -352,8 +387,15 @@ class Pool:
             self.kill()
             if self.supervisor is not None:
                 self.supervisor.sock.close()
-            self.shipping.held.release()
+            self.release_memory()
             self.state = "stopped"
+
+    def release_memory(self) -> None:
+        """Drop the shared memory of the pool: held values, results not taken."""
+        try:
+            self.shipping.held.release()
+        finally:
+            self.results.sweep()
 
     def _wait_for_supervisor(self, timeout: float) -> None:
         """Until the supervisor, which outlives every rank, closes its socket."""
@@ -452,17 +494,22 @@ class PoolRun(Run):
         live_lines: bool = False,
     ) -> None:
         super().__init__(spec, session.launcher, record, session._notify, live_lines=live_lines)
+        self.selector.close()
+        self.selector = pool.selector
         self.pool = pool
         self.seq = seq
         self.request = request
         self.targets = list(range(spec.devices)) if ranks is None else ranks
         self.lost: dict[int, float] = {}  # rank -> when its events socket closed
+        self.requests_sent = request is None
+        self.delivered = False  # every asked rank got the whole request
+        for rank, state in pool.ranks.items():
+            record.ranks[rank].pid = state.pid
 
     # -- start: the sockets are open already --------------------------------
 
     def start(self) -> None:
-        for conn in self.pool.conns():
-            self._watch(conn)
+        """Check the pool is whole; the request itself goes out in :meth:`wait`."""
         self.supervisor_pid = self.pool.supervisor_pid
         for rank in range(self.spec.devices):
             if rank not in self.targets:
@@ -476,18 +523,42 @@ class PoolRun(Run):
                 f"the pool lost a rank before this request ({self.pool.problem}); nothing ran. {RESTART_HINT}."
             )
         self.pool.state = "running"
+
+    def _send_requests(self) -> None:
+        """Send the request to every asked rank.
+
+        Called from inside :meth:`wait`, so an interrupt while sending stops
+        the ranks that got the request like any other interrupt; a rank that
+        got none of it is not waited for, one that got part of it broke the
+        pool (:meth:`Pool.send`).
+        """
+        self.requests_sent = True
         for rank in self.targets:
-            self._rank_state(rank, "running")
-            try:
-                self.pool.send(rank, self.request)
-            except OSError as exc:
-                self.pool.mark_broken(f"rank {rank} could not be reached ({exc})")
-                self._fail(rank, "RankDied", f"rank {rank} could not be reached: {exc}")
-                self.done.add(rank)
+            self.record.ranks[rank].state = "running"
+        self.on_update(self.record)
+        asked: set[int] = set()
+        try:
+            for rank in self.targets:
+                try:
+                    self.pool.send(rank, self.request)
+                except OSError as exc:
+                    self.pool.mark_broken(f"rank {rank} could not be reached ({exc})")
+                    self._fail(rank, "RankDied", f"rank {rank} could not be reached: {exc}")
+                    self.done.add(rank)
+                    continue
+                asked.add(rank)
+        finally:
+            for rank in self.targets:
+                if rank not in asked and rank not in self.done:
+                    self.done.add(rank)
+                    self._rank_state(rank, "killed")
+            self.delivered = len(asked) == len(self.targets)
 
     # -- the end: every asked rank said DONE ------------------------------
 
     def _running(self) -> bool:
+        if not self.requests_sent:
+            self._send_requests()
         if not self._open_conns():
             return False
         if any(rank not in self.done for rank in self.targets):
@@ -521,14 +592,11 @@ class PoolRun(Run):
                 self.pool.state = "ready"
             elif self.pool.state == "broken":
                 self.pool.kill()  # what is left of a broken pool only holds memory and devices
-                self.pool.shipping.held.release()
+                self.pool.release_memory()
 
     def _interrupted_message(self) -> str:
         if self.pool.state == "broken":
-            return (
-                f"interrupted; the ranks did not stop on SIGINT and were killed, so the pool is "
-                f"broken. {RESTART_HINT}."
-            )
+            return f"interrupted; {self.pool.problem}, so the pool is broken. {RESTART_HINT}."
         return (
             "interrupted; the cell was stopped in every rank, and the pool keeps its ranks and "
             "their namespaces. Results of ranks that finished are on this error's .results."
@@ -556,16 +624,16 @@ class PoolRun(Run):
     def _take_status(self, rank: int, fields: dict[str, Any]) -> None:
         state = self.record.ranks[rank]
         if fields.get("pid"):
-            state.pid = self.pool.pids[rank] = fields["pid"]
+            state.pid = fields["pid"]
+        if fields.get("thread"):
+            self.pool.thread_ranks.add(rank)
         if fields.get("memory") is not None:
             state.memory = fields["memory"]
         self.on_update(self.record)
 
     def _take_supervisor_news(self, kind: str, fields: dict[str, Any]) -> bool:
         """Note what the supervisor says; False where Run must not see it."""
-        if kind == protocol.SPAWNED:
-            self.pool.pids.update(fields["pids"])
-        elif kind == protocol.EXIT:
+        if kind == protocol.EXIT:
             rank = fields["rank"]
             self.pool.mark_broken(f"rank {rank} died: {describe_exit(fields['code'])}")
         elif kind == protocol.ENDED and self.pool.state != "starting":
@@ -596,20 +664,8 @@ class PoolRun(Run):
         if self.pool.state == "starting":
             pending = []
             self.pool.mark_broken(f"its start was stopped ({reason})")
-        elif pending:
-            self.pool.interrupt(pending)
-            deadline = time.monotonic() + STOP_GRACE
-            while time.monotonic() < deadline and any(rank not in self.done for rank in pending):
-                try:
-                    self._pump(0.05)
-                except KeyboardInterrupt:
-                    break  # a second interrupt: do not wait any longer
-            pending = [rank for rank in pending if rank not in self.done]
-            if pending:
-                self.pool.mark_broken(
-                    f"rank(s) {', '.join(map(str, pending))} did not stop on SIGINT within "
-                    f"{STOP_GRACE:g} s and were killed"
-                )
+        elif pending and self.pool.state != "broken":
+            self._interrupt(pending, reason)
         if self.pool.state == "broken":
             self.pool.kill()
             end = time.monotonic() + EXIT_CODE_WAIT
@@ -620,41 +676,108 @@ class PoolRun(Run):
                 self._rank_state(rank, "killed")
         self._drain_output()
 
+    def _interrupt(self, ranks: list[int], reason: str) -> None:
+        """SIGINT to ``ranks`` until each said DONE; those that do not in time break the pool.
+
+        Rank threads in native code get THREAD_STOP_GRACE, unless the person
+        interrupts again.
+        """
+        self.pool.interrupt(ranks)
+        answered = self._wait_for_done(ranks, STOP_GRACE)
+        waiting = self._not_done(ranks)
+        grace = STOP_GRACE
+        if answered and waiting and all(rank in self.pool.thread_ranks for rank in waiting):
+            grace = THREAD_STOP_GRACE
+            again = "again " if reason == "interrupt" else ""
+            print(f"waiting up to {grace:g} s for rank(s) {_listed(waiting)} to leave native code; "
+                  f"interrupt {again}to stop {'it' if len(waiting) == 1 else 'them'} now", flush=True)
+            answered = self._wait_for_done(waiting, grace - STOP_GRACE)
+            waiting = self._not_done(ranks)
+        if not waiting:
+            return
+        if answered:
+            self.pool.mark_broken(f"rank(s) {_listed(waiting)} did not stop on SIGINT within {grace:g} s "
+                                  f"and were killed")
+        else:
+            self.pool.mark_broken(f"rank(s) {_listed(waiting)} were still running at a second interrupt "
+                                  f"and were killed")
+
+    def _wait_for_done(self, ranks: list[int], seconds: float) -> bool:
+        """Pump until every one of ``ranks`` said DONE or ``seconds`` passed; False at a second interrupt.
+
+        SIGINT goes again every RESEND_INTERRUPT to those still at it: a rank
+        that was still reading the request was not yet listening (it takes
+        one interrupt per request, so a repeat never reaches its cell twice).
+        """
+        now = time.monotonic()
+        end, resend = now + seconds, now + RESEND_INTERRUPT
+        while self._not_done(ranks) and time.monotonic() < end:
+            try:
+                self._pump(0.05)
+            except KeyboardInterrupt:
+                return False
+            if time.monotonic() >= resend:
+                self.pool.interrupt(self._not_done(ranks))
+                resend = time.monotonic() + RESEND_INTERRUPT
+        return True
+
+    def _not_done(self, ranks: list[int]) -> list[int]:
+        return [rank for rank in ranks if rank not in self.done]
+
     # -- the sockets stay open for the next request ---------------------------
 
     def _drain_output(self) -> None:
-        """Read every byte the ranks wrote before their DONE."""
+        """Read what the ranks wrote before their DONE: what their output sockets hold now.
+
+        A rank's background thread may go on printing; what it writes after
+        this moment shows in the next request.
+        """
         for key in list(self.selector.get_map().values()):
             conn: _Conn = key.data
-            while conn.reader is None and conn.sock.fileno() >= 0:
-                try:
-                    data = conn.sock.recv(1 << 20)
-                except BlockingIOError:
+            if conn.reader is not None:
+                continue
+            left = _bytes_waiting(conn.sock)
+            while left > 0:
+                data = self._receive(conn)
+                if data is None:
                     break
-                except OSError:
-                    data = b""
                 if not data:
                     self._closed(conn)
                     break
                 self.output.feed(conn.rank, conn.kind, data)
+                left -= len(data)
 
     def _close_all(self) -> None:
-        try:
-            self._drain_output()
-        finally:
-            for key in list(self.selector.get_map().values()):
-                self.selector.unregister(key.fileobj)
-            self.selector.close()
+        """The pool keeps its sockets and selector; only read what is left."""
+        self._drain_output()
+
+    def _sweep_segments(self) -> None:
+        """Remove results the kernel did not take (it takes each one it loads)."""
+        if self.spec.payload.has_result:
+            self.pool.results.sweep()
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _bytes_waiting(sock: socket.socket) -> int:
+    """How many bytes a socket holds unread (a closed one: 1, so that it is read and closed)."""
+    if sock.fileno() < 0:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), sys.byteorder) or 0
+    except OSError:
+        return 1
 
 
 class PoolStart(PoolRun):
     """The pool's start: hand the job to the launcher; done when every rank is ready."""
 
     def start(self) -> None:
+        self.pool.ranks = self.record.ranks  # the ranks' pids arrive in this record
         theirs = self.pool.open_sockets()
         try:
-            for conn in self.pool.conns():
-                self._watch(conn)
             job = {
                 "mode": protocol.POOL_JOB,
                 "run_id": self.record.run_id,
@@ -663,6 +786,9 @@ class PoolStart(PoolRun):
             }
             self.supervisor_pid = self.launcher.submit(job, [sock.fileno() for sock in theirs])
             self.pool.supervisor_pid = self.supervisor_pid
+        except BaseException as exc:
+            self._finish("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
         finally:
             for sock in theirs:
                 sock.close()
@@ -672,11 +798,9 @@ class PoolStart(PoolRun):
 
 
 def current(session: Session) -> Pool | None:
-    """The session's pool, unless there is none or it was stopped (status panel)."""
+    """The session's pool, unless there is none or it was stopped."""
     pool = session.pool
-    if pool is not None and pool.state == "stopped":
-        session.pool = pool = None
-    return pool
+    return None if pool is None or pool.state == "stopped" else pool
 
 
 def _ready_launcher(session: Session) -> Launcher:
@@ -732,14 +856,11 @@ def start(session: Session, devices: int | None, backend: str | None, live_lines
 
 
 def stop(session: Session) -> bool:
-    """``%xla_pool stop``: True when there was a pool to stop."""
-    pool = current(session)
+    """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
+    pool, session.pool = current(session), None
     if pool is None:
         return False
-    try:
-        pool.stop()
-    finally:
-        session.pool = None
+    pool.stop()
     return True
 
 
@@ -766,7 +887,7 @@ def run_cell(
     pool = session.pool
     pool.check_fits(devices, backend)
     pool.check_usable()
-    refuse_if_kernel_holds_devices("%%xla_spawn")
+    _refuse_if_kernel_holds_devices(pool)
     run_id = session.next_run_id()
     filename = f"<xla_spawn cell {run_id}>"
     has_result, names = pool.analyse(cell, filename)
@@ -776,18 +897,30 @@ def run_cell(
         shipping, changed = pool.shipping.fields(values)
         seq = pool.next_seq()
         request = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
-                                  has_result=has_result, **shipping)
+                                  has_result=has_result, results_to=pool.results.prefix, **shipping)
         spec = _request_spec(pool, cell, has_result, timeout)
         record = RunRecord(run_id, cell, pool.backend, pool.devices)
         _remember(session, record)
         run = PoolRun(pool, spec, record, seq, request, session, live_lines=live_lines)
         run.start()
-        delivered = True
-        pool.shipping.sent(changed, shipping)
-        pool.cells += 1
-        return run.wait()
+        try:
+            return run.wait()
+        finally:
+            delivered = run.delivered
+            if delivered:
+                pool.shipping.sent(changed, shipping)
+                pool.cells += 1
     finally:
         pool.shipping.settle(delivered)
+
+
+def _refuse_if_kernel_holds_devices(pool: Pool) -> None:
+    """The kernel guard of every cell, without its /proc scan while no module was imported since."""
+    if len(sys.modules) != pool.modules_checked:
+        refuse_if_kernel_holds_devices("%%xla_spawn")
+        pool.modules_checked = len(sys.modules)
+    elif probe.kernel_xla_runtime():  # a runtime torch_xla had imported may start any time
+        refuse_if_kernel_holds_devices("%%xla_spawn")
 
 
 def _exchange(session: Session, kind: str, label: str, ranks: list[int] | None, has_result: bool,
@@ -831,7 +964,7 @@ def pull(session: Session, name: str, rank: int | None) -> Any:
     if rank is not None and not 0 <= rank < pool.devices:
         raise UsageError(f"--rank must be between 0 and {pool.devices - 1} (the pool has {pool.devices} ranks)")
     run = _exchange(session, protocol.PULL, f"%xla_pool pull {name}", None if rank is None else [rank], True,
-                    name=name)
+                    name=name, results_to=pool.results.prefix)
     if rank is not None:
         return run.results.get(rank)
     return [run.results.get(r) for r in range(pool.devices)]

@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from xla_magic import probe
+from xla_magic import pool as rank_pool, probe
 from xla_magic.session import Launcher, RankState, RunRecord, Session
 
 HISTORY_SHOWN = 10
@@ -78,7 +78,7 @@ def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
         facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher), pool_fact(getattr(session, "pool", None))],
+               launcher_fact(session.launcher), pool_fact(rank_pool.current(session))],
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),
     )
@@ -156,22 +156,10 @@ def _readable(launcher: Launcher) -> bool:
     return bool(ready)
 
 
-def pool_running(pool: Any) -> bool:
-    return pool is not None and getattr(pool, "state", None) != "stopped"
-
-
-def pool_fact(pool: Any) -> Fact:
+def pool_fact(pool: rank_pool.Pool | None) -> Fact:
     if pool is None:
         return Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")
-    describe = getattr(pool, "describe", None)
-    if callable(describe):
-        return Fact("Pool", str(describe()))
-    size = getattr(pool, "devices", None) or getattr(pool, "size", None)
-    state = getattr(pool, "state", None)
-    alive = getattr(pool, "alive", None)
-    if state is None and callable(alive):
-        state = "running" if alive() else "stopped"
-    return Fact("Pool", f"{size if size is not None else '?'} ranks, {state or 'state unknown'}")
+    return Fact("Pool", pool.describe())
 
 
 # --- formatting ----------------------------------------------------------------
@@ -383,7 +371,7 @@ class StatusPanel:
         self.history.value = history_html(snap.history)
         running = snap.run is not None and snap.run.outcome == "running"
         self.interrupt.disabled = not running or snap.run.interrupt_requested
-        self.stop_pool.disabled = not pool_running(getattr(self.session, "pool", None))
+        self.stop_pool.disabled = rank_pool.current(self.session) is None
         notes = [self._notice]
         if running and snap.run.interrupt_requested:
             notes.append("interrupt requested: stopping the ranks")
@@ -404,14 +392,8 @@ class StatusPanel:
             run.interrupt_requested = True
 
     def _on_stop_pool(self, _button: Any) -> None:
-        pool = getattr(self.session, "pool", None)
-        stop = getattr(pool, "stop", None)
         try:
-            if not callable(stop):
-                self._say("no pool to stop")
-                return
-            stop()
-            self._say("pool stopped")
+            self._say("pool stopped" if rank_pool.stop(self.session) else "no pool to stop")
         except Exception as exc:  # show it in the panel; a button has nowhere else to raise
             self._say(f"stopping the pool failed: {type(exc).__name__}: {exc}")
         finally:

@@ -21,7 +21,7 @@ import traceback
 from typing import Any
 
 from xla_magic import protocol
-from xla_magic.launcher import lifetime, pool as pool_module, rank as rank_module, simulate, strategy as strategy_module
+from xla_magic.launcher import interrupt, lifetime, pool as pool_module, rank as rank_module, simulate, strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -173,9 +173,9 @@ def run_tpu(
         nprocs = None
     else:
         nprocs = 1 if len(ranks) == 1 else None
-    if cell is None:
-        # Pool ranks: rank processes are forked from here and inherit the handler.
-        pool_module.install_interrupt_handler()
+    # xmp.spawn's worker processes are forked from here and inherit this handler
+    # instead of the supervisor's SIG_IGN; the ranks are their threads.
+    interrupt.install_handler()
     supervisor.send(protocol.SPAWNED, pids={})
     try:
         xmp.spawn(_tpu_rank, args=(ranks, cell), nprocs=nprocs, start_method="fork")

@@ -27,10 +27,19 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+_libc: ctypes.CDLL | None = None
+
+
 def flush_c_stdio() -> None:
-    """Flush C stdio buffers so printf output reaches fd 1 before we exit."""
+    """Flush C stdio buffers so printf output reaches fd 1 (before we exit, after a pool cell).
+
+    libc is looked up once: a pool rank calls this at the end of every cell.
+    """
+    global _libc
     try:
-        ctypes.CDLL(None).fflush(None)
+        if _libc is None:
+            _libc = ctypes.CDLL(None)
+        _libc.fflush(None)
     except (OSError, AttributeError):
         pass
 

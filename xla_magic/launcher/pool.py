@@ -10,114 +10,30 @@ Each request carries a ``seq`` that the rank's RESULT / ERROR / DONE echo, so
 the kernel can ignore replies to a request it gave up on. The rank leaves its
 loop when the kernel closes the socket.
 
-Interrupts: the kernel sends SIGINT to the rank's process. Only ranks that are
-running a cell are interrupted (a KeyboardInterrupt in the cell, reported as
-an error, and the rank waits for the next request); an idle rank ignores it.
-Ranks that are threads (the tpu launch path) get the KeyboardInterrupt as an
-asynchronous exception from the process's main thread, so a thread blocked in
-native code only notices it once that call returns.
-
-Output: a rank that owns its process (the cpu backend) writes through C-level
-text buffers instead of the per-thread router of capture.py, so a print costs
-what it costs in plain Python. Lines go out one by one while they are sparse
-(a line before a crash is already out of the process); when they come in a
-burst, a pump thread sends what is buffered every few milliseconds.
+Interrupts (interrupt.py): the kernel sends SIGINT to the rank's process,
+and repeats it until the rank answers, since a rank still reading the
+request is not yet listening. The cell gets one KeyboardInterrupt (reported
+as an error) and the rank waits for the next request; an idle rank ignores
+SIGINT. Output goes through capture.py, as in a one-shot run. Results and
+pulled values travel like one-shot results: large tensors and arrays through
+shared memory, under the prefix the request names.
 """
 
 from __future__ import annotations
 
-import ast
 import builtins
-import ctypes
 import io
-import linecache
 import os
 import pickle
-import signal
-import sys
 import threading
 import time
 import types
 from typing import Any, Callable
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, rank as rank_module
+from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module
 
-# Results of these exact types are pickled with plain pickle (no cloudpickle
-# Pickler to build): the common case of a cell that returns a number.
-_PLAIN_RESULTS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 _COMPILED_CELLS_KEPT = 64
-BURST_SECONDS = 0.002  # lines closer together than this are a burst
-PUMP_SECONDS = 0.003  # during a burst, how often the buffered output is sent
-
-# --- interrupts -------------------------------------------------------------
-
-# What each rank thread of this process is doing: answering a request (BUSY),
-# running a cell (IN_CELL), or answering one that was interrupted before its
-# cell began (INTERRUPTED: the cell will not run). Idle ranks are absent.
-BUSY, IN_CELL, INTERRUPTED = "busy", "in cell", "interrupted"
-_activity: dict[int, str] = {}
-_activity_lock = threading.RLock()  # re-entered when the handler runs on a rank's own thread
-
-
-def install_interrupt_handler() -> None:
-    """Let SIGINT interrupt the requests that this process's ranks are answering.
-
-    Call from the main thread. Forked children inherit the handler, which is
-    how the tpu launch path's rank processes get it.
-    """
-    signal.signal(signal.SIGINT, _on_interrupt)
-
-
-def _on_interrupt(signum: int, frame: Any) -> None:
-    me = threading.get_ident()
-    interrupt_me = False
-    with _activity_lock:
-        for ident, doing in list(_activity.items()):
-            if doing == BUSY:
-                _activity[ident] = INTERRUPTED
-            elif doing == IN_CELL and ident == me:
-                interrupt_me = True
-            elif doing == IN_CELL:
-                _set_async_exception(ident, KeyboardInterrupt)
-    if interrupt_me:
-        raise KeyboardInterrupt
-
-
-def _set_async_exception(ident: int, exc_type: type[BaseException] | None) -> None:
-    """Raise ``exc_type`` in thread ``ident`` at its next bytecode; None clears a pending one."""
-    exc = ctypes.py_object(exc_type) if exc_type is not None else None
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), exc)
-
-
-class _Request:
-    """The stretch of answering a request: SIGINT then stops its cell, if any."""
-
-    def __enter__(self) -> None:
-        with _activity_lock:
-            _activity[threading.get_ident()] = BUSY
-
-    def __exit__(self, *exc_info: Any) -> None:
-        with _activity_lock:
-            _activity.pop(threading.get_ident(), None)
-
-
-class _Cell:
-    """The stretch of a request during which SIGINT raises KeyboardInterrupt in the cell."""
-
-    def __enter__(self) -> None:
-        me = threading.get_ident()
-        with _activity_lock:
-            if _activity.get(me) == INTERRUPTED:
-                raise KeyboardInterrupt  # the interrupt came while the cell was being prepared
-            _activity[me] = IN_CELL
-
-    def __exit__(self, *exc_info: Any) -> None:
-        me = threading.get_ident()
-        with _activity_lock:
-            _activity[me] = BUSY
-            if me != threading.main_thread().ident:
-                _set_async_exception(me, None)  # one that was sent as the cell ended
 
 
 # --- the rank's side of shipping ----------------------------------------------
@@ -210,127 +126,15 @@ class CompiledCells:
         """(filename the code was compiled under, body, last expression or None)."""
         cell = self._cells.get(source)
         if cell is None:
-            cell = self._compile(source, filename)
+            rank_module.register_source(source, filename)
+            cell = (filename, *rank_module.compile_cell(source, filename))
             if len(self._cells) >= self._kept:
                 self._cells.pop(next(iter(self._cells)))
             self._cells[source] = cell
         return cell
 
-    @staticmethod
-    def _compile(source: str, filename: str) -> tuple[str, types.CodeType, types.CodeType | None]:
-        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-        tree = ast.parse(source, filename=filename)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
-        return filename, compile(tree, filename, "exec"), last
-
-
-# --- output of a rank that owns its process -------------------------------------------
-
-
-class _SocketWriter(io.RawIOBase):
-    """The raw layer under a fast stream: the rank's socket, noticing bursts."""
-
-    def __init__(self, sock: Any, fd: int, pump: "OutputPump") -> None:
-        super().__init__()
-        self._sock = sock
-        self._fd = fd
-        self._pump = pump
-        self._last = 0.0
-        self.sent = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd  # fd 1 or 2, which point at the same socket
-
-    def isatty(self) -> bool:
-        return False
-
-    def write(self, data: Any) -> int:
-        size = len(data)
-        try:
-            self._sock.sendall(data)
-        except OSError:
-            pass  # the kernel is gone; this rank is about to be ended too
-        self.sent += size
-        now = time.monotonic()
-        if now - self._last < BURST_SECONDS:
-            self._pump.burst()
-        self._last = now
-        return size
-
-
-class OutputPump:
-    """``sys.stdout`` / ``sys.stderr`` of a one-rank process, and their pump.
-
-    The streams are line-buffered until lines come in a burst; then the pump
-    turns line buffering off and sends what is buffered every PUMP_SECONDS,
-    until a round finds nothing to send.
-    """
-
-    def __init__(self, streams: capture.RankStreams) -> None:
-        self._wake = threading.Event()
-        self._writers = [_SocketWriter(streams.out.sock, 1, self), _SocketWriter(streams.err.sock, 2, self)]
-        self.streams = [
-            io.TextIOWrapper(io.BufferedWriter(writer, 1 << 16), encoding="utf-8", errors="replace",
-                             line_buffering=True)
-            for writer in self._writers
-        ]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        sys.stdout, sys.stderr = self.streams
-        threading.Thread(target=self._run, name="xla_magic-pool-output", daemon=True).start()
-
-    def burst(self) -> None:
-        if not self._wake.is_set():
-            self._wake.set()
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            try:
-                stream.flush()
-            except ValueError:  # a cell closed it; nothing more can come through it
-                pass
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._line_buffering(False)
-            while True:
-                time.sleep(PUMP_SECONDS)
-                before = sum(writer.sent for writer in self._writers)
-                self.flush()
-                if sum(writer.sent for writer in self._writers) == before:
-                    break
-            self._line_buffering(True)
-            self._wake.clear()
-
-    def _line_buffering(self, on: bool) -> None:
-        for stream in self.streams:
-            try:
-                stream.reconfigure(line_buffering=on)
-            except ValueError:
-                pass
-
 
 # --- the serving loop -------------------------------------------------------------
-
-
-_libc: Any = None
-
-
-def _flush_c_stdio() -> None:
-    """fflush(NULL), with libc looked up once (it runs at every cell's end)."""
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None)
-        _libc.fflush(None)
-    except (OSError, AttributeError):
-        pass
 
 
 class PoolRank:
@@ -342,12 +146,10 @@ class PoolRank:
         channel: protocol.Channel,
         streams: capture.RankStreams,
         rank_names: dict[str, Any],
-        own_output: OutputPump | None = None,
     ) -> None:
         self.rank = rank
         self.channel = channel
         self.streams = streams
-        self.own_output = own_output
         self.rank_names = rank_names
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **rank_names}
         self.shipped = ShippedValues()
@@ -355,6 +157,7 @@ class PoolRank:
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None
         self._filename = "<xla_pool>"
+        self._results: transport.SegmentWriter | None = None
 
     def serve(self) -> None:
         """Answer requests until the kernel closes the socket."""
@@ -371,7 +174,7 @@ class PoolRank:
             if kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                 return
             try:
-                with _Request():
+                with interrupt.Request():
                     self.answer(handlers.get(kind), kind, fields)
             except KeyboardInterrupt:
                 pass  # arrived just as a cell ended: the request is answered
@@ -401,10 +204,8 @@ class PoolRank:
             self.channel.sock.sendall(reply + done if reply else done)
 
     def flush_output(self) -> None:
-        if self.own_output is not None:
-            self.own_output.flush()
         self.streams.flush()
-        _flush_c_stdio()
+        lifetime.flush_c_stdio()
 
     # -- requests --------------------------------------------------------
 
@@ -421,7 +222,7 @@ class PoolRank:
         if memory is not None:
             memory.start()
         try:
-            with _Cell():
+            with interrupt.Cell():
                 exec(body, self.namespace)
                 value = eval(last, self.namespace) if last is not None else None
         finally:
@@ -429,7 +230,7 @@ class PoolRank:
                 memory.stop()
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
-        return self._result_frame(seq, value)
+        return self._result_frame(fields, value)
 
     def push(self, fields: dict[str, Any]) -> None:
         values = transport.load_namespace(fields["values"])[0]
@@ -441,29 +242,22 @@ class PoolRank:
         name = fields["name"]
         if name not in self.namespace or name.startswith("__"):
             raise NameError(f"name {name!r} is not defined in the pool's ranks")
-        return self._result_frame(fields["seq"], self.namespace[name])
+        return self._result_frame(fields, self.namespace[name])
 
     # -- replies -----------------------------------------------------------
 
-    def _result_frame(self, seq: Any, value: Any) -> bytes:
-        try:
-            if type(value) in _PLAIN_RESULTS:
-                data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-            else:
-                data = rank_module.dump_result(value)
-        except Exception as exc:
-            return protocol.encode(
-                protocol.ERROR,
-                seq=seq,
-                type=type(exc).__name__,
-                message=(
-                    f"the value ({type(value).__module__}.{type(value).__qualname__}) could not be "
-                    f"sent back: {exc}. Return something picklable, such as a tensor, a number or "
-                    f"a dict of them."
-                ),
-                traceback="",
-            )
-        return protocol.encode(protocol.RESULT, seq=seq, value=data, empty=False)
+    def _result_frame(self, fields: dict[str, Any], value: Any) -> bytes:
+        """RESULT (large tensors and arrays in shared memory), or the ERROR saying why not."""
+        kind, reply = rank_module.result_event(value, self._results_writer(fields.get("results_to")))
+        return protocol.encode(kind, seq=fields["seq"], **reply)
+
+    def _results_writer(self, prefix: str | None) -> transport.SegmentWriter | None:
+        """The writer for the kernel's results prefix (the same for the pool's life)."""
+        if prefix is None:
+            return None
+        if self._results is None or self._results.prefix != prefix:
+            self._results = transport.SegmentWriter(prefix, f"r{self.rank}")
+        return self._results
 
     def _error_frame(self, seq: Any, exc: BaseException, with_traceback: bool) -> bytes:
         """An ERROR; the traceback only for a cell's error (from its first frame on)."""
@@ -472,7 +266,7 @@ class PoolRank:
             protocol.ERROR,
             seq=seq,
             type=type(exc).__name__,
-            message=str(exc),
+            message=rank_module.exception_message(exc),
             traceback=rank_module.format_error(exc, self._filename) if with_traceback else "",
         )
 
@@ -480,30 +274,27 @@ class PoolRank:
 def serve(rank: int, sockets: rank_module.RankSockets, setup: Callable[[], dict[str, Any]]) -> bool:
     """The whole life of a pool rank: set up once, then answer requests.
 
-    Says ready with STATUS (its pid) and DONE under ``seq`` 0, or ERROR and
-    DONE when ``setup`` fails. False when it could not start.
+    Says ready with STATUS (its pid, and whether it is a thread) and DONE
+    under ``seq`` 0, or ERROR and DONE when ``setup`` fails. False when it
+    could not start.
     """
     streams = capture.RankStreams(rank, sockets.out, sockets.err)
     capture.attach(streams)
     channel = protocol.Channel(sockets.events)
-    own_output = None
-    if threading.current_thread() is threading.main_thread():
-        # The only rank of its process: interrupts and output need no routing.
-        install_interrupt_handler()
-        own_output = OutputPump(streams)
+    thread = threading.current_thread() is not threading.main_thread()
+    if not thread:
+        interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
     started = time.monotonic()
     try:
         rank_names = setup()
-        server = PoolRank(rank, channel, streams, rank_names, own_output)
+        server = PoolRank(rank, channel, streams, rank_names)
     except BaseException as exc:  # anything from the runtime's start
-        if own_output is not None:
-            own_output.flush()
         streams.flush()
-        channel.send(protocol.ERROR, seq=0, type=type(exc).__name__, message=str(exc),
+        channel.send(protocol.ERROR, seq=0, type=type(exc).__name__, message=rank_module.exception_message(exc),
                      traceback=rank_module.format_error(exc, "<xla_pool start>"))
         channel.send(protocol.DONE, seq=0, seconds=time.monotonic() - started)
         return False
-    channel.send(protocol.STATUS, seq=0, state="ready", pid=os.getpid(),
+    channel.send(protocol.STATUS, seq=0, state="ready", pid=os.getpid(), thread=thread,
                  memory=rank_module.device_memory(server.device) if server.reports_memory else None)
     server.finish(0, None, started)
     try:

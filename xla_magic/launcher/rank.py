@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture
+from xla_magic.launcher import capture, interrupt
 
 
 @dataclass
@@ -65,10 +65,34 @@ def dump_result(value: Any, segments: transport.SegmentWriter | None = None) -> 
     return buffer.getvalue()
 
 
-def register_source(job: CellJob) -> None:
+# Results of these exact types are pickled with plain pickle (no cloudpickle
+# Pickler to build): the common case of a cell that returns a number.
+_PLAIN_RESULTS = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def result_event(value: Any, segments: transport.SegmentWriter | None = None) -> tuple[str, dict[str, Any]]:
+    """The RESULT event carrying ``value``, or the ERROR that says why it cannot travel."""
+    try:
+        if type(value) in _PLAIN_RESULTS:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            data = dump_result(value, segments)
+    except Exception as exc:
+        return protocol.ERROR, {
+            "type": type(exc).__name__,
+            "message": (
+                f"the result ({type(value).__module__}.{type(value).__qualname__}) "
+                f"could not be sent back: {exc}. Return something picklable, "
+                f"such as a tensor, a number or a dict of them."
+            ),
+            "traceback": "",
+        }
+    return protocol.RESULT, {"value": data, "empty": False}
+
+
+def register_source(source: str, filename: str) -> None:
     """Let tracebacks show the cell's own lines."""
-    lines = job.source.splitlines(keepends=True)
-    linecache.cache[job.filename] = (len(job.source), None, lines, job.filename)
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
 
 
 def bind_rank_names(namespace: dict[str, Any], rank_names: dict[str, Any]) -> None:
@@ -156,16 +180,21 @@ class MemoryReporter:
                 self._stop.set()
 
 
-def run_cell(job: CellJob, namespace: dict[str, Any]) -> Any:
-    """Execute the cell in ``namespace``; the value of its last expression."""
-    tree = ast.parse(job.source, filename=job.filename)
+def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
+    """The cell's code, without its last expression, and that expression (None if it ends otherwise)."""
+    tree = ast.parse(source, filename=filename)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    exec(compile(tree, job.filename, "exec"), namespace)
-    if last is None:
-        return None
-    return eval(compile(last, job.filename, "eval"), namespace)
+        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+    return compile(tree, filename, "exec"), last
+
+
+def run_cell(job: CellJob, namespace: dict[str, Any]) -> Any:
+    """Execute the cell in ``namespace``; the value of its last expression."""
+    body, last = compile_cell(job.source, job.filename)
+    with interrupt.Cell():
+        exec(body, namespace)
+        return None if last is None else eval(last, namespace)
 
 
 def format_error(exc: BaseException, filename: str) -> str:
@@ -217,20 +246,21 @@ def execute(
     results_to: transport.SegmentWriter | None = None
     try:
         channel.send(protocol.STATUS, state="starting", pid=os.getpid())
-        register_source(job)
+        register_source(job.source, job.filename)
         try:
-            rank_names = setup()
-            namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-            shipped, segment_prefix = transport.load_namespace(job.namespace)
-            namespace.update(shipped)
-            if segment_prefix is not None:
-                results_to = transport.SegmentWriter(segment_prefix, f"r{rank}")
-            namespace.update(rank_names)
-            bind_rank_names(namespace, rank_names)
-            memory = MemoryReporter(channel, rank_names.get("device"))
-            channel.send(protocol.STATUS, state="running", memory=memory.start())
-            value = run_cell(job, namespace)
-            closing()
+            with interrupt.Request():  # SIGINT before the cell begins: it does not run
+                rank_names = setup()
+                namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+                shipped, segment_prefix = transport.load_namespace(job.namespace)
+                namespace.update(shipped)
+                if segment_prefix is not None:
+                    results_to = transport.SegmentWriter(segment_prefix, f"r{rank}")
+                namespace.update(rank_names)
+                bind_rank_names(namespace, rank_names)
+                memory = MemoryReporter(channel, rank_names.get("device"))
+                channel.send(protocol.STATUS, state="running", memory=memory.start())
+                value = run_cell(job, namespace)
+                closing()
         except BaseException as exc:  # the user's code may raise anything at all
             streams.flush()
             report_error(channel, exc, job.filename)
@@ -252,18 +282,5 @@ def _send_result(
     if not has_result:
         channel.send(protocol.RESULT, value=None, empty=True)
         return
-    try:
-        data = dump_result(value, segments)
-    except Exception as exc:
-        channel.send(
-            protocol.ERROR,
-            type=type(exc).__name__,
-            message=(
-                f"the cell's result ({type(value).__module__}.{type(value).__qualname__}) "
-                f"could not be sent back: {exc}. Return something picklable, "
-                f"such as a tensor, a number or a dict of them."
-            ),
-            traceback="",
-        )
-        return
-    channel.send(protocol.RESULT, value=data, empty=False)
+    kind, fields = result_event(value, segments)
+    channel.send(kind, **fields)
