@@ -762,7 +762,7 @@ def _listed(ranks: list[int]) -> str:
 
 
 def _bytes_waiting(sock: socket.socket) -> int:
-    """How many bytes a socket holds unread (a closed one: 1, so that it is read and closed)."""
+    """How many bytes a socket holds unread; 1 when it cannot say, so that a read finds out."""
     if sock.fileno() < 0:
         return 0
     try:
