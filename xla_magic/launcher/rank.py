@@ -1,8 +1,9 @@
 """Run one cell in one rank and report what happened. Runs in a rank.
 
-A rank may be a process of its own (cpu backend, TPU v4 and later) or one of
-several threads in a process (the tpu launch path on v2/v3 and on CPU
-threads); nothing here assumes it owns the process.
+A rank is a process of its own on the cpu backend. On the tpu launch path
+every rank is a thread of torch_xla's per-device thread pool: alone in its
+process on TPU v4 and later, two to a process on v2/v3, all in one process
+on CPU threads. Nothing here assumes it owns the process.
 """
 
 from __future__ import annotations
