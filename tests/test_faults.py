@@ -412,3 +412,17 @@ def test_one_shot_tpu_path_ranks_get_the_interrupt(ip, spawn, monkeypatch, tmp_p
     assert session.history[-1].outcome == "interrupted"
     assert_nothing_left(ip)
 
+
+def test_a_rank_process_dying_mid_cell_on_the_tpu_path_is_not_a_launch_failure(spawn, monkeypatch):
+    """xmp.spawn's process pool breaks (BrokenProcessPool) when a rank's process
+    is killed; ranks that were running the cell died, they were not left unstarted."""
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # the tpu launch path: rank threads in one pool process
+    cell = "import os, signal, time\ntime.sleep(0.5)\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(600)"
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn("--backend tpu --devices 2", cell)
+    assert time.monotonic() - started < HANG_BOUND
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "rank 1's process ended during the cell: " in rendered
+    assert "BrokenProcessPool" in rendered
+    assert "could not be started" not in rendered

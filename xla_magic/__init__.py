@@ -27,16 +27,32 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(XlaMagics(ipython, session))
     ipython._xla_magic_session = session
     if os.environ.get("XLA_MAGIC_PREWARM", "1") != "0":
-        session.ensure_launcher()  # imports torch_xla while the user types
+        _prewarm(session)
+
+
+def _prewarm(session: Any) -> None:
+    """Start the launcher now, so it imports torch_xla while the user types.
+
+    Never fails %load_ext: a launcher that cannot start says why at first use.
+    """
+    from xla_magic.session import LauncherError
+
+    try:
+        session.ensure_launcher()
+    except LauncherError:
+        pass
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     session = getattr(ipython, "_xla_magic_session", None)
     if session is None:
         return
-    magics = ipython.magics_manager.magics
-    for kind, names in _MAGIC_NAMES.items():
-        for name in names:
-            magics[kind].pop(name, None)
-    session.close()
-    ipython._xla_magic_session = None
+    try:
+        magics = ipython.magics_manager.magics
+        for kind, names in _MAGIC_NAMES.items():
+            for name in names:
+                magics[kind].pop(name, None)
+        session.close()
+    finally:
+        # Even if closing was cut short: a later %load_ext must start afresh.
+        ipython._xla_magic_session = None

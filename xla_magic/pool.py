@@ -50,7 +50,6 @@ from xla_magic.session import (
     READY_TIMEOUT,
     STOP_GRACE,
     Launcher,
-    LauncherError,
     RankState,
     Run,
     RunRecord,
@@ -493,7 +492,8 @@ class PoolRun(Run):
         ranks: list[int] | None = None,
         live_lines: bool = False,
     ) -> None:
-        super().__init__(spec, session.launcher, record, session._notify, live_lines=live_lines)
+        super().__init__(spec, session.launcher, record, session._notify, live_lines=live_lines,
+                         workdir=session.workdir)
         self.selector.close()
         self.selector = pool.selector
         self.pool = pool
@@ -804,14 +804,7 @@ def current(session: Session) -> Pool | None:
 
 
 def _ready_launcher(session: Session) -> Launcher:
-    launcher = session.ensure_launcher()
-    try:
-        launcher.wait_ready()
-    except LauncherError as exc:
-        session.launcher = None
-        launcher.stop()
-        raise UsageError(str(exc)) from exc
-    return launcher
+    return session.ready_launcher()
 
 
 def _remember(session: Session, record: RunRecord) -> None:

@@ -64,8 +64,12 @@ def cpu_pjrt_requested() -> bool:
     return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
 
 
-def auto_backend() -> str:
-    if find_tpu() is not None or os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+def tpu_pjrt_requested() -> bool:
+    return os.environ.get("PJRT_DEVICE", "").upper() == "TPU"
+
+
+def auto_backend(sys_root: str = "/sys") -> str:
+    if find_tpu(sys_root) is not None or tpu_pjrt_requested():
         return "tpu"
     return "cpu"
 
@@ -135,10 +139,14 @@ class PlacementError(ValueError):
     pass
 
 
-def place(backend: str, devices: int | None) -> Placement:
-    """Resolve ``--backend`` and ``--devices`` for this host, or say why not."""
+def place(backend: str, devices: int | None, sys_root: str = "/sys") -> Placement:
+    """Resolve ``--backend`` and ``--devices`` for this host, or say why not.
+
+    One-shot cells and the pool both come here, so it checks ``devices``
+    itself rather than trust each caller's parsing.
+    """
     if backend == "auto":
-        backend = auto_backend()
+        backend = auto_backend(sys_root)
     if devices is not None and devices < 1:
         raise PlacementError(f"--devices must be at least 1, not {devices}.")
     if backend == "cpu":
@@ -148,20 +156,9 @@ def place(backend: str, devices: int | None) -> Placement:
                 f"the CPU simulation runs 1 to {CPU_SIMULATION_MAX} ranks; --devices {count} is too many."
             )
         return Placement("cpu", count)
-    tpu = find_tpu()
+    tpu = find_tpu(sys_root)
     if tpu is None:
-        if cpu_pjrt_requested():
-            count = 8 if devices is None else devices
-            if count > CPU_SIMULATION_MAX:
-                raise PlacementError(f"PJRT_DEVICE=CPU runs 1 to {CPU_SIMULATION_MAX} threads, not {count}.")
-            return Placement("tpu", count, cpu_threads=True)
-        if os.environ.get("PJRT_DEVICE", "").upper() != "TPU":
-            raise PlacementError(
-                "no TPU was found on this machine. Use --backend cpu (or auto) for the CPU "
-                "simulation, or run on a TPU host."
-            )
-        count = devices or 1
-        return Placement("tpu", count)
+        return _place_without_chips(devices, sys_root)
     possible = sorted({1, tpu.devices})
     count = tpu.devices if devices is None else devices
     if count not in possible:
@@ -170,3 +167,24 @@ def place(backend: str, devices: int | None) -> Placement:
             f"--devices can be {' or '.join(map(str, possible))}, not {count}."
         )
     return Placement("tpu", count)
+
+
+def _place_without_chips(devices: int | None, sys_root: str) -> Placement:
+    """The tpu backend where no TPU chip shows under ``sys_root``: PJRT_DEVICE decides."""
+    if cpu_pjrt_requested():
+        count = 8 if devices is None else devices
+        if count > CPU_SIMULATION_MAX:
+            raise PlacementError(f"PJRT_DEVICE=CPU runs 1 to {CPU_SIMULATION_MAX} threads, not {count}.")
+        return Placement("tpu", count, cpu_threads=True)
+    if not tpu_pjrt_requested():
+        raise PlacementError(
+            "no TPU was found on this machine. Use --backend cpu (or auto) for the CPU "
+            "simulation, or run on a TPU host."
+        )
+    if devices not in (None, 1):
+        raise PlacementError(
+            f"PJRT_DEVICE=TPU is set, but no TPU chip shows under {sys_root}/bus/pci, so how many "
+            f"devices this host has is unknown and --devices {devices} cannot be checked. Use "
+            f"--devices 1, or run where the chips are visible (a container needs the host's /sys)."
+        )
+    return Placement("tpu", 1)

@@ -40,8 +40,7 @@ CELL = "cell"
 PUSH = "push"
 PULL = "pull"
 POOL_JOB = "pool"  # the ``mode`` of a JOB whose ranks serve requests until EOF
-# rank -> kernel
-OUTPUT = "output"
+# rank -> kernel (output travels as raw bytes on the stdout/stderr sockets)
 RESULT = "result"
 ERROR = "error"
 STATUS = "status"

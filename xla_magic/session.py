@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,17 +28,12 @@ from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted,
 from xla_magic.payload import Payload
 
 READY_TIMEOUT = 300.0
+SUBMIT_TIMEOUT = 60.0  # for the launcher to take a job and say STARTED
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 STOP_GRACE = 1.5  # between SIGINT, SIGTERM and SIGKILL
 DRAIN_TIMEOUT = 3.0  # reading what is left once the processes are gone
 TICK_INTERVAL = 0.5  # how often listeners hear of a running cell with no news
-
-
-def private_dir() -> str:
-    """A directory only this user can enter, for logs."""
-    path = tempfile.mkdtemp(prefix=f"xla_magic-{os.getpid()}-")
-    os.chmod(path, 0o700)
-    return path
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def signal_name(code: int | None) -> str:
@@ -82,6 +78,39 @@ def refuse_if_kernel_holds_devices(action: str) -> None:
         raise UsageError(f"{action} refused: {refusal}")
 
 
+# --- the session's private directory ----------------------------------------
+
+
+class PrivateDir:
+    """A directory of the session that only this user can enter.
+
+    It holds each launcher's files, each run's gloo store (removed when the run
+    ends) and the folded rank logs whose paths a cell printed (kept until the
+    session closes). Made at first use; removed by :meth:`close`, when it is
+    collected, or when the kernel exits.
+    """
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def path(self) -> str:
+        if self._path is None:
+            self._path = tempfile.mkdtemp(prefix=f"xla_magic-{os.getpid()}-")  # mode 0700
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._path, ignore_errors=True)
+        return self._path
+
+    def new(self, prefix: str) -> str:
+        """A new directory inside, also 0700."""
+        return tempfile.mkdtemp(prefix=prefix, dir=self.path)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._path = self._finalizer = None
+
+
 # --- the launcher -----------------------------------------------------------
 
 
@@ -90,30 +119,84 @@ class LauncherError(RuntimeError):
 
 
 class Launcher:
-    """The long-lived ``python -m xla_magic.launcher`` process of this kernel."""
+    """The long-lived ``python -m xla_magic.launcher`` process of this kernel.
 
-    def __init__(self, python: str | None = None) -> None:
+    The channel carries one job at a time: a JOB, then its STARTED. From a
+    job's first byte until its STARTED is read the channel is out of step, and
+    whatever stops the kernel there (an interrupt, a timeout, a lost launcher)
+    stops the launcher too, so that no later job reads this one's answer.
+    """
+
+    def __init__(self, workdir: PrivateDir, python: str | None = None) -> None:
         self.python = python or os.environ.get("XLA_MAGIC_PYTHON") or sys.executable
-        self.dir = private_dir()
+        self.workdir = workdir
+        self.dir = workdir.new("launcher-")
         self.log_path = os.path.join(self.dir, "launcher.log")
-        ours, theirs = socket.socketpair()
-        log = open(self.log_path, "wb")
-        try:
-            self.process = subprocess.Popen(
-                [self.python, "-m", "xla_magic.launcher", "--fd", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                env=_launcher_environment(),
-            )
-        finally:
-            theirs.close()
-            log.close()
-        self.channel = protocol.Channel(ours)
+        # What the launcher inherits; each job carries the kernel's changes since.
+        self.base_environment = dict(os.environ)
+        self.in_step = True
         self.info: dict[str, Any] | None = None
         self.started_at = time.time()
+        try:
+            self.process, self.channel = self._start()
+        except BaseException as exc:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise LauncherError(
+                    f"could not start the launcher with {self.python}: {exc}. Point XLA_MAGIC_PYTHON "
+                    f"at a Python that has torch_xla, or unset it to use the kernel's own ({sys.executable})."
+                ) from exc
+            raise
+
+    def _start(self) -> tuple[subprocess.Popen, protocol.Channel]:
+        ours, theirs = socket.socketpair()
+        try:
+            with open(self.log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [self.python, "-m", "xla_magic.launcher",
+                     "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())],
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                    env=self._environment(),
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return process, protocol.Channel(ours)
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(self.base_environment)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [self._import_dir(), env.get("PYTHONPATH")]))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # Read when torch is imported: keeps gloo's "Rank N is connected to M
+        # peer ranks" chatter out of every cell.
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        return env
+
+    def _import_dir(self) -> str:
+        """A directory holding only a link to this very package.
+
+        The launcher must import the kernel's xla_magic, wherever the kernel
+        found it, and nothing else from there (the package's parent may be a
+        whole site-packages, of another Python than the launcher's).
+        """
+        path = os.path.join(self.dir, "import")
+        os.mkdir(path, 0o700)
+        os.symlink(PACKAGE_DIR, os.path.join(path, "xla_magic"))
+        return path
+
+    def environment_changes(self) -> dict[str, Any]:
+        """How the kernel's environment differs now from what the launcher inherited."""
+        now, base = dict(os.environ), self.base_environment
+        return {
+            "set": {name: value for name, value in now.items() if base.get(name) != value},
+            "unset": sorted(name for name in base if name not in now),
+        }
 
     @property
     def pid(self) -> int:
@@ -128,10 +211,8 @@ class Launcher:
         self.channel.sock.settimeout(timeout)
         try:
             event = self.channel.recv()
-        except socket.timeout:
-            raise LauncherError(
-                f"the launcher did not start within {timeout:.0f} s; see {self.log_path}"
-            ) from None
+        except TimeoutError:
+            raise LauncherError(f"the launcher did not start within {timeout:.0f} s{self._log_excerpt()}") from None
         finally:
             self.channel.sock.settimeout(None)
         if event.kind == protocol.READY:
@@ -144,48 +225,75 @@ class Launcher:
                 f"pip install 'xla_magic[local]'; Colab and Kaggle TPU images ship it), "
                 f"or point XLA_MAGIC_PYTHON at an interpreter that has it."
             )
-        raise LauncherError(f"the launcher exited while starting; see {self.log_path}:\n{self._log_tail()}")
+        raise LauncherError(f"the launcher exited while starting{self._log_excerpt()}")
 
     def submit(self, job: dict[str, Any], fds: list[int]) -> int:
-        """Hand a job and its sockets to the launcher; the supervisor's pid."""
+        """Hand a job and its sockets to the launcher; the supervisor's pid.
+
+        The job goes with the kernel's environment changes, and with a gloo
+        store directory if it names none (a pool's: it lasts with the session).
+        """
         self.wait_ready()
+        job = {**job, "environment": self.environment_changes()}
+        if "store" not in job:
+            job["store"] = self.workdir.new(f"store-{job['run_id']}-")
+        self.in_step = False
         try:
+            self.channel.sock.settimeout(SUBMIT_TIMEOUT)
             self.channel.send_with_fds(fds, protocol.JOB, **job)
             event = self.channel.recv()
+        except TimeoutError as exc:
+            raise self._give_up(f"the launcher did not take the cell within {SUBMIT_TIMEOUT:g} s") from exc
         except OSError as exc:
-            raise LauncherError(f"lost the launcher ({exc}); see {self.log_path}") from exc
+            raise self._give_up(f"lost the launcher ({exc})") from exc
+        except BaseException:
+            self.stop()
+            raise
         if event.kind != protocol.STARTED:
-            raise LauncherError(f"the launcher stopped unexpectedly; see {self.log_path}:\n{self._log_tail()}")
+            raise self._give_up("the launcher stopped unexpectedly")
+        if event.fields.get("run_id") != job["run_id"]:
+            raise self._give_up(f"the launcher answered for run {event.fields.get('run_id')}, not {job['run_id']}")
+        self.channel.sock.settimeout(None)
+        self.in_step = True
         return event.fields["pid"]
 
+    def _give_up(self, problem: str) -> LauncherError:
+        """Stop a launcher whose channel cannot be trusted; the error that says so."""
+        excerpt = self._log_excerpt()
+        self.stop()
+        return LauncherError(f"{problem}; it was stopped, and the next cell starts a new one{excerpt}")
+
     def stop(self, timeout: float = 5.0) -> None:
+        """End the launcher and remove its directory. A ready launcher in step
+        is asked to STOP; any other is killed (it holds nothing to tidy)."""
         try:
-            self.channel.close()  # EOF: the launcher returns from its loop
-            self.process.wait(timeout)
+            if self.in_step and self.info is not None and self.alive():
+                self._say_stop()
+                self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            pass
         finally:
+            self.channel.close()
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
             shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _log_tail(self, lines: int = 20) -> str:
+    def _say_stop(self) -> None:
+        try:
+            self.channel.sock.settimeout(1.0)
+            self.channel.send_with_fds([], protocol.STOP)
+        except OSError:
+            pass  # gone already
+
+    def _log_excerpt(self, lines: int = 20) -> str:
+        """The end of the launcher's log, to quote in an error (its directory may go)."""
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as log:
-                return "".join(log.readlines()[-lines:])
+                tail = "".join(log.readlines()[-lines:])
         except OSError:
             return ""
-
-
-def _launcher_environment() -> dict[str, str]:
-    env = dict(os.environ)
-    # The launcher must import this very package, wherever the kernel found it.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    # Read when torch is imported: keeps gloo's "Rank N is connected to M
-    # peer ranks" chatter out of every cell.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    return env
+        return f"; its log ends:\n{tail}" if tail.strip() else ""
 
 
 # --- one run ----------------------------------------------------------------
@@ -253,29 +361,42 @@ class Run:
         record: RunRecord,
         on_update: Callable[[RunRecord], None] = lambda record: None,
         live_lines: bool = False,
+        *,
+        workdir: PrivateDir,
     ) -> None:
         self.spec = spec
         self.launcher = launcher
         self.record = record
         self.on_update = on_update
+        self.workdir = workdir
+        self.store: str | None = None  # a one-shot run's gloo store, removed when it ends
         self._live = LiveLines() if live_lines else None
-        self.output = TaggedOutput(log_dir=private_dir, on_line=self._on_line, live=self._live)
+        # Folded logs outlive the run: the cell printed their paths.
+        self.output = TaggedOutput(
+            log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live
+        )
         self.selector = selectors.DefaultSelector()
         self.results: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
         self.done: set[int] = set()
         self.exit_codes: dict[int, int] = {}
         self.supervisor_pid: int | None = None
-        self.supervisor_open = True
         self.launch_error: str | None = None
+        self.reported_running: set[int] = set()  # ranks that said they run the cell
         self.first_failure_at: float | None = None
         self.supervisor_closed_at: float | None = None
         self.stop_reason: str | None = None  # failure, timeout or interrupt, once we stop the run
         record.ranks = {rank: RankState() for rank in range(spec.devices)}
 
+    @property
+    def supervisor_open(self) -> bool:
+        return self.supervisor_closed_at is None
+
     # -- starting --------------------------------------------------------
 
     def start(self) -> None:
+        """Hand the cell to the launcher. If that fails, the run is over: its
+        sockets, shared memory and store are gone and its record says how it ended."""
         theirs: list[socket.socket] = []
         try:
             ours, remote = socket.socketpair()
@@ -287,8 +408,10 @@ class Run:
                     self._watch(_Conn(ours, rank, kind))
                     theirs.append(remote)
             payload = self.spec.payload
+            self.store = self.workdir.new(f"store-{self.record.run_id}-")
             job = {
                 "run_id": self.record.run_id,
+                "store": self.store,
                 "backend": self.spec.backend,
                 "cpu_threads": self.spec.cpu_threads,
                 "source": payload.source,
@@ -297,9 +420,11 @@ class Run:
                 "namespace": payload.namespace,
             }
             self.supervisor_pid = self.launcher.submit(job, [s.fileno() for s in theirs])
-        except BaseException:
+        except BaseException as exc:
             self._close_all()
             self._sweep_segments()
+            self._remove_store()
+            self._finish("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
         finally:
             for sock in theirs:
@@ -338,6 +463,9 @@ class Run:
         finally:
             self._close_all()
             self._sweep_segments()
+            self._remove_store()
+            if self.record.outcome == "running":  # the stop itself was broken off
+                self._finish("interrupted" if self.stop_reason == "interrupt" else "failed")
         self._account_for_missing_ranks()
         if self.failures:
             self._finish("failed")
@@ -400,7 +528,6 @@ class Run:
             self._fail(conn.rank if conn.rank is not None else -1, "ProtocolError",
                        f"truncated message ({conn.reader.pending()} bytes) when the channel closed")
         if conn.kind == "supervisor":
-            self.supervisor_open = False
             self.supervisor_closed_at = time.monotonic()
             self._end_strays()
         elif conn.kind == "events" and conn.rank not in self.done:
@@ -420,6 +547,8 @@ class Run:
             state = self.record.ranks[rank]
             state.pid = fields.get("pid", state.pid)
             state.memory = fields.get("memory", state.memory)
+            if fields["state"] == "running":
+                self.reported_running.add(rank)
             self._rank_state(rank, fields["state"])
         elif kind == protocol.RESULT:
             self._take_result(rank, fields)
@@ -471,7 +600,12 @@ class Run:
             if rank in self.failures or rank in self.results or self.record.ranks[rank].state == "done":
                 continue
             code = self.exit_codes.get(rank)
-            if self.launch_error and code is None:
+            if self.launch_error and code is None and rank in self.reported_running:
+                # The tpu path: the rank's process died mid-cell and xmp.spawn
+                # raised; its traceback is torch_xla's, its last line the news.
+                cause = self.launch_error.strip().splitlines()[-1]
+                self._fail(rank, "RankDied", f"rank {rank}'s process ended during the cell: {cause}")
+            elif self.launch_error and code is None:
                 self._fail(rank, "LaunchError", "the ranks could not be started", self.launch_error)
             elif self.stop_reason is None:
                 self._fail(rank, "RankDied", f"rank {rank} ended without reporting: {describe_exit(code)}", exit_code=code)
@@ -499,8 +633,11 @@ class Run:
                 state.ended = time.monotonic()
         # Read what the dead ranks left in their sockets.
         end = time.monotonic() + 0.5
-        while self._open_conns() and time.monotonic() < end:
-            self._pump(0.05)
+        try:
+            while self._open_conns() and time.monotonic() < end:
+                self._pump(0.05)
+        except KeyboardInterrupt:
+            pass  # yet another interrupt: show what was read
 
     def _end_strays(self) -> None:
         """The supervisor outlives every rank, so what is left in the run's
@@ -573,6 +710,10 @@ class Run:
             key.fileobj.close()
         self.selector.close()
 
+    def _remove_store(self) -> None:
+        if self.store is not None:
+            shutil.rmtree(self.store, ignore_errors=True)
+
     def _sweep_segments(self) -> None:
         """Remove the run's shared memory: what was shipped and any result not taken."""
         segments = self.spec.payload.segments
@@ -589,6 +730,7 @@ class Session:
     HISTORY = 20
 
     def __init__(self) -> None:
+        self.workdir = PrivateDir()
         self.launcher: Launcher | None = None
         self.run_count = 0
         self.history: list[RunRecord] = []
@@ -596,9 +738,27 @@ class Session:
         self.pool: Any = None  # the running xla_magic.pool.Pool, if any
 
     def ensure_launcher(self) -> Launcher:
-        if self.launcher is None or not self.launcher.alive():
-            self.launcher = Launcher()
+        """The launcher, started if there is none (LauncherError if it cannot be)."""
+        if self.launcher is not None and not self.launcher.alive():
+            self.drop_launcher()  # a dead one: its socket and directory go too
+        if self.launcher is None:
+            self.launcher = Launcher(self.workdir)
         return self.launcher
+
+    def ready_launcher(self) -> Launcher:
+        """The launcher, ready for jobs, or the UsageError that says what to do."""
+        try:
+            launcher = self.ensure_launcher()
+            launcher.wait_ready()
+        except LauncherError as exc:
+            self.drop_launcher()
+            raise UsageError(str(exc)) from exc
+        return launcher
+
+    def drop_launcher(self) -> None:
+        launcher, self.launcher = self.launcher, None
+        if launcher is not None:
+            launcher.stop()
 
     def next_run_id(self) -> int:
         self.run_count += 1
@@ -625,26 +785,37 @@ class Session:
             cpu_threads=placement.cpu_threads,
             timeout=timeout,
         )
-        return self.run(spec, run_id, cell, live_lines=live_lines)
+        try:
+            return self.run(spec, run_id, cell, live_lines=live_lines)
+        finally:
+            # However the cell ended (before the run took the segments over,
+            # too), nothing it shipped stays in shared memory.
+            if cell_payload.segments is not None:
+                cell_payload.segments.sweep()
 
     def run(self, spec: RunSpec, run_id: int, cell: str, live_lines: bool = False) -> list[Any] | None:
-        launcher = self.ensure_launcher()
-        try:
-            launcher.wait_ready()
-        except LauncherError as exc:
-            self.launcher = None
-            launcher.stop()
-            raise UsageError(str(exc)) from exc
+        launcher = self.ready_launcher()
         record = RunRecord(run_id, cell, spec.backend, spec.devices)
         self.history = (self.history + [record])[-self.HISTORY :]
-        run = Run(spec, launcher, record, self._notify, live_lines=live_lines)
+        run = Run(spec, launcher, record, self._notify, live_lines=live_lines, workdir=self.workdir)
+        self._start(run)
+        return run.wait()
+
+    def _start(self, run: Run) -> None:
         try:
             run.start()
-        except LauncherError:
-            self.launcher = None
-            launcher.stop()
+        except BaseException as exc:
+            given_up = not run.launcher.alive()  # stopped while the job was in flight
+            if given_up and self.launcher is run.launcher:
+                self.drop_launcher()
+            if isinstance(exc, LauncherError):
+                raise UsageError(str(exc)) from exc
+            if isinstance(exc, KeyboardInterrupt):
+                where = "; the launcher was stopped, and the next cell starts a new one" if given_up else ""
+                raise RunInterrupted(
+                    f"interrupted while handing the cell to the launcher, before it ran{where}", {}
+                ) from None
             raise
-        return run.wait()
 
     def _notify(self, record: RunRecord) -> None:
         for listener in list(self.listeners):
@@ -654,9 +825,13 @@ class Session:
                 pass
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.stop()
+        """Stop the pool and the launcher, and remove the session's directory."""
+        try:
+            if self.pool is not None:
+                self.pool.stop()
+        finally:
             self.pool = None
-        if self.launcher is not None:
-            self.launcher.stop()
-            self.launcher = None
+            try:
+                self.drop_launcher()
+            finally:
+                self.workdir.close()

@@ -1,9 +1,10 @@
-"""The launcher: ``python -m xla_magic.launcher --fd N``. A zygote process.
+"""The launcher: ``python -m xla_magic.launcher --fd N --parent-pid P``. A zygote process.
 
-Started by the kernel with one end of a private socket pair on fd N. It
+Started by kernel P with one end of a private socket pair on fd N. It
 imports torch and torch_xla once (the 5-7 s a cell should not pay again),
 never initialises an XLA runtime, and forks one supervisor per job. It exits
-when the kernel closes the socket, and dies with the kernel (PDEATHSIG).
+when the kernel says STOP or closes the socket, and dies with the kernel
+(PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def serve(channel: protocol.Channel) -> None:
             continue
         from xla_magic.launcher import backends
 
+        launcher_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             channel.sock.close()
-            backends.supervise(event.fields, fds)
+            backends.supervise(event.fields, fds, launcher_pid)
         for fd in fds:
             os.close(fd)
         channel.send(protocol.STARTED, run_id=event.fields["run_id"], pid=pid)
@@ -63,9 +65,10 @@ def serve(channel: protocol.Channel) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m xla_magic.launcher")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket to the kernel")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the kernel's pid, as the kernel knows it")
     args = parser.parse_args(argv)
 
-    lifetime.die_with_parent()
+    lifetime.die_with_parent(args.parent_pid)
     # Interrupts are for the ranks; the kernel decides what reaches them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Supervisors are reaped by the system; we never wait for them.

@@ -13,10 +13,8 @@ kernel on its own socket.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import traceback
 from typing import Any
 
@@ -28,13 +26,20 @@ from xla_magic.launcher import interrupt, lifetime, pool as pool_module, rank as
 STALE_TPU_VARIABLES = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
 
 
-def supervise(job: dict[str, Any], fds: list[int]) -> None:
+# This supervisor's pid, for the ranks it forks (see _tpu_rank).
+_supervisor_pid: int | None = None
+
+
+def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
     """Entry point of the forked supervisor; never returns."""
+    global _supervisor_pid
     code = 0
     supervisor = protocol.Channel(socket.socket(fileno=fds[0]))
     try:
+        _apply_environment(job["environment"])
         os.setsid()
-        lifetime.die_with_parent()
+        lifetime.die_with_parent(launcher_pid)
+        _supervisor_pid = os.getpid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # ranks handle interrupts
         ranks = [
@@ -43,7 +48,7 @@ def supervise(job: dict[str, Any], fds: list[int]) -> None:
         ]
         cell = None if job.get("mode") == protocol.POOL_JOB else _cell_job(job)
         if job["backend"] == "cpu":
-            run_cpu(cell, ranks, supervisor)
+            run_cpu(cell, ranks, supervisor, job["store"])
         else:
             run_tpu(cell, ranks, supervisor, cpu_threads=job["cpu_threads"])
     except BaseException:
@@ -54,6 +59,15 @@ def supervise(job: dict[str, Any], fds: list[int]) -> None:
             pass
     finally:
         os._exit(code)
+
+
+def _apply_environment(changes: dict[str, Any]) -> None:
+    """Bring the kernel's later changes to its environment (XLA_FLAGS, PJRT_DEVICE,
+    tokens) into this run. Only the changes: torch_xla's import set variables
+    of its own in the launcher, and they stay."""
+    for name in changes["unset"]:
+        os.environ.pop(name, None)
+    os.environ.update(changes["set"])
 
 
 def _cell_job(job: dict[str, Any]) -> rank_module.CellJob:
@@ -76,27 +90,31 @@ def _rank_environment() -> None:
 # --- cpu: the simulation --------------------------------------------------
 
 
-def run_cpu(cell: rank_module.CellJob | None, ranks: list[rank_module.RankSockets], supervisor: protocol.Channel) -> None:
+def run_cpu(
+    cell: rank_module.CellJob | None,
+    ranks: list[rank_module.RankSockets],
+    supervisor: protocol.Channel,
+    store: str,
+) -> None:
+    """Fork the ranks; ``store`` is the kernel's directory for gloo's file store
+    (the kernel removes it, however the run ends)."""
     world_size = len(ranks)
-    store = tempfile.mkdtemp(prefix="xla_magic-gloo-")
-    try:
-        pids: dict[int, int] = {}
-        for rank, sockets in enumerate(ranks):
-            pid = os.fork()
-            if pid == 0:
-                _cpu_rank(rank, world_size, ranks, cell, store)
-            pids[pid] = rank
-        for sockets in ranks:
-            for sock in sockets.all():
-                sock.close()
-        supervisor.send(protocol.SPAWNED, pids={rank: pid for pid, rank in pids.items()})
-        while pids:
-            pid, status = os.wait()
-            if pid in pids:
-                supervisor.send(protocol.EXIT, rank=pids.pop(pid), code=lifetime.exit_code(status))
-        supervisor.send(protocol.ENDED, error=None)
-    finally:
-        shutil.rmtree(store, ignore_errors=True)
+    supervisor_pid = os.getpid()
+    pids: dict[int, int] = {}
+    for rank, sockets in enumerate(ranks):
+        pid = os.fork()
+        if pid == 0:
+            _cpu_rank(rank, world_size, ranks, cell, store, supervisor_pid)
+        pids[pid] = rank
+    for sockets in ranks:
+        for sock in sockets.all():
+            sock.close()
+    supervisor.send(protocol.SPAWNED, pids={rank: pid for pid, rank in pids.items()})
+    while pids:
+        pid, status = os.wait()
+        if pid in pids:
+            supervisor.send(protocol.EXIT, rank=pids.pop(pid), code=lifetime.exit_code(status))
+    supervisor.send(protocol.ENDED, error=None)
 
 
 def _cpu_rank(
@@ -105,6 +123,7 @@ def _cpu_rank(
     ranks: list[rank_module.RankSockets],
     cell: rank_module.CellJob | None,
     store: str,
+    supervisor_pid: int,
 ) -> None:
     """A simulated device: one process, one XLA CPU device; never returns.
 
@@ -113,7 +132,7 @@ def _cpu_rank(
     """
     code = 1
     try:
-        lifetime.die_with_parent()
+        lifetime.die_with_parent(supervisor_pid)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for other, sockets in enumerate(ranks):
             if other != rank:
@@ -190,7 +209,8 @@ def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_modul
     import torch_xla
     import torch_xla.runtime as xr
 
-    lifetime.die_with_parent()
+    if os.getpid() != _supervisor_pid:  # a process xmp.spawn forked, not a thread of the supervisor
+        lifetime.die_with_parent(_supervisor_pid)
 
     def setup() -> dict[str, Any]:
         device = torch_xla.device()

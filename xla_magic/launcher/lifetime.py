@@ -12,18 +12,20 @@ from typing import Iterator
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` to this process when its parent exits.
 
-    Closes the race where the parent died before the call: then exit now.
+    ``parent_pid`` is the parent as the parent knew itself (its pid recorded
+    before the fork, or passed on the command line). If our parent is someone
+    else by the time the signal is armed, it died before the call: exit now.
+    PID 1 is a parent like any other (a kernel run as a container's first process).
     """
-    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: pipe EOF still ends us
         return
-    if os.getppid() != parent or parent == 1:
+    if os.getppid() != parent_pid:
         os._exit(1)
 
 

@@ -1,0 +1,97 @@
+"""Device discovery and placement: the real probe reading a /sys tree made in tmp_path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from IPython.core.error import UsageError
+
+from xla_magic import probe
+
+GOOGLE = probe.GOOGLE_PCI_VENDOR
+INTEL = "0x8086"
+
+
+def fake_sys(root: Path, devices: list[tuple[str, str]]) -> str:
+    """A /sys with these (vendor, device) PCI functions under bus/pci/devices."""
+    base = root / "bus" / "pci" / "devices"
+    base.mkdir(parents=True)
+    for slot, (vendor, device) in enumerate(devices):
+        function = base / f"0000:00:{slot + 4:02x}.0"
+        function.mkdir()
+        (function / "vendor").write_text(vendor + "\n")
+        (function / "device").write_text(device + "\n")
+    return str(root)
+
+
+@pytest.fixture(autouse=True)
+def no_pjrt_device(monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+
+
+def test_v2_v3_chips_give_two_devices_each(tmp_path):
+    root = fake_sys(tmp_path, [(GOOGLE, "0x0027")] * 4 + [(INTEL, "0x1234")])
+    host = probe.find_tpu(root)
+    assert host == probe.TpuHost("v2/v3", chips=4, devices_per_chip=2)
+    assert host.devices == 8
+    assert probe.place("auto", None, root) == probe.Placement("tpu", 8)
+    assert probe.place("tpu", 1, root) == probe.Placement("tpu", 1)
+
+
+def test_v4_chips_give_one_device_each(tmp_path):
+    root = fake_sys(tmp_path, [(GOOGLE, "0x005e")] * 4)
+    assert probe.find_tpu(root) == probe.TpuHost("v4", chips=4, devices_per_chip=1)
+    assert probe.place("auto", None, root) == probe.Placement("tpu", 4)
+
+
+@pytest.mark.parametrize("generation_id, devices, refused, allowed", [
+    ("0x0027", 4, 4, "1 or 8"),
+    ("0x005e", 8, 8, "1 or 4"),
+])
+def test_counts_between_one_and_all_are_refused(tmp_path, generation_id, devices, refused, allowed):
+    root = fake_sys(tmp_path, [(GOOGLE, generation_id)] * 4)
+    with pytest.raises(probe.PlacementError, match=f"--devices can be {allowed}, not {refused}"):
+        probe.place("tpu", devices, root)
+
+
+def test_other_vendors_and_unknown_google_devices_are_not_tpus(tmp_path):
+    root = fake_sys(tmp_path, [(INTEL, "0x0027"), (GOOGLE, "0xffff")])
+    assert probe.find_tpu(root) is None
+    assert probe.place("auto", None, root) == probe.Placement("cpu", 8)
+    with pytest.raises(probe.PlacementError, match="no TPU was found"):
+        probe.place("tpu", None, root)
+
+
+def test_pjrt_device_tpu_without_visible_chips_runs_one_device_only(tmp_path, monkeypatch):
+    root = fake_sys(tmp_path, [])
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    assert probe.auto_backend(root) == "tpu"
+    assert probe.place("auto", None, root) == probe.Placement("tpu", 1)
+    assert probe.place("tpu", 1, root) == probe.Placement("tpu", 1)
+    with pytest.raises(probe.PlacementError, match="PJRT_DEVICE=TPU is set, but no TPU chip.*--devices 1"):
+        probe.place("tpu", 2, root)
+
+
+def test_pjrt_device_cpu_runs_the_tpu_path_as_threads(tmp_path, monkeypatch):
+    root = fake_sys(tmp_path, [])
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert probe.place("tpu", None, root) == probe.Placement("tpu", 8, cpu_threads=True)
+    with pytest.raises(probe.PlacementError, match="1 to 64 threads, not 65"):
+        probe.place("tpu", 65, root)
+
+
+@pytest.mark.parametrize("devices", [0, -3])
+def test_place_refuses_fewer_than_one_device(tmp_path, devices):
+    with pytest.raises(probe.PlacementError, match=f"at least 1, not {devices}"):
+        probe.place("cpu", devices, fake_sys(tmp_path, []))
+
+
+def test_the_magic_refuses_several_devices_it_cannot_count(spawn, monkeypatch):
+    """This host has no TPU under /sys: the refusal comes before anything starts."""
+    if probe.find_tpu() is not None:
+        pytest.skip("this host has TPU chips")
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    with pytest.raises(UsageError, match="no TPU chip shows under /sys/bus/pci") as info:
+        spawn("--backend tpu --devices 2", "rank")
+    assert type(info.value) is UsageError
