@@ -283,6 +283,30 @@ def test_the_session_directory_goes_when_the_kernel_exits_without_closing():
     assert not os.path.exists(workdir)
 
 
+def test_a_killed_kernel_s_directory_is_removed_by_the_next_session():
+    script = (
+        "from xla_magic.session import Session\n"
+        "session = Session()\n"
+        "print(session.workdir.new('logs-1-'), flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        logs = kernel.stdout.readline().strip()
+    finally:
+        kernel.kill()  # no atexit, no finalizer: the directory stays behind
+        kernel.wait()
+        kernel.stdout.close()
+    workdir = os.path.dirname(logs)
+    assert os.path.isdir(logs)
+    fresh = session_module.PrivateDir()
+    try:
+        assert fresh.path != workdir
+        assert not os.path.exists(workdir)
+    finally:
+        fresh.close()
+
+
 def _can_unshare() -> bool:
     try:
         return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0

@@ -8,10 +8,12 @@ Talks to the launcher and ranks only over socket pairs it made itself.
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -90,6 +92,8 @@ class PrivateDir:
     collected, or when the kernel exits.
     """
 
+    SUFFIX = "session-"
+
     def __init__(self) -> None:
         self._path: str | None = None
         self._finalizer: weakref.finalize | None = None
@@ -97,7 +101,9 @@ class PrivateDir:
     @property
     def path(self) -> str:
         if self._path is None:
-            self._path = tempfile.mkdtemp(prefix=f"xla_magic-{os.getpid()}-")  # mode 0700
+            sweep_orphan_dirs()
+            # Named like the kernel's shared memory: pid namespace and pid (mode 0700).
+            self._path = tempfile.mkdtemp(prefix=transport.kernel_prefix() + self.SUFFIX)
             self._finalizer = weakref.finalize(self, shutil.rmtree, self._path, ignore_errors=True)
         return self._path
 
@@ -109,6 +115,43 @@ class PrivateDir:
         if self._finalizer is not None:
             self._finalizer()
         self._path = self._finalizer = None
+
+
+_SESSION_DIR = re.compile(r"^xla_magic-\d+-(\d+)-" + PrivateDir.SUFFIX)
+
+
+def sweep_orphan_dirs(root: str | None = None) -> None:
+    """Remove the session directories of this pid namespace's kernels that died
+    without closing (SIGKILL, the OOM killer), with their stores and logs."""
+    root = root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        match = _SESSION_DIR.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if not name.startswith(transport.kernel_prefix(pid) + PrivateDir.SUFFIX) or _process_exists(pid):
+            continue
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # --- the launcher -----------------------------------------------------------
