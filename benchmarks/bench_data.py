@@ -18,7 +18,6 @@ extension loaded, its launcher warmed by a first cell.
 from __future__ import annotations
 
 import os
-import pickle
 import statistics
 import struct
 import subprocess

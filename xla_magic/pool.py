@@ -49,7 +49,6 @@ from xla_magic.display import RankError, RunInterrupted
 from xla_magic.session import (
     READY_TIMEOUT,
     STOP_GRACE,
-    Launcher,
     RankState,
     Run,
     RunRecord,
@@ -803,15 +802,6 @@ def current(session: Session) -> Pool | None:
     return None if pool is None or pool.state == "stopped" else pool
 
 
-def _ready_launcher(session: Session) -> Launcher:
-    return session.ready_launcher()
-
-
-def _remember(session: Session, record: RunRecord) -> None:
-    """Keep the record in the session's recent runs (the status panel's history)."""
-    session.history = (session.history + [record])[-session.HISTORY :]
-
-
 def _request_spec(pool: Pool, source: str, has_result: bool, timeout: float | None = None) -> RunSpec:
     empty = payload.Payload(source=source, filename="<xla_pool>", has_result=has_result, namespace=b"")
     return RunSpec(payload=empty, backend=pool.backend, devices=pool.devices,
@@ -827,16 +817,16 @@ def start(session: Session, devices: int | None, backend: str | None, live_lines
         print(f"the pool is already running: {running.describe()}")
         return running
     placement = plan(backend or "auto", devices, "%xla_pool start")
-    _ready_launcher(session)
+    session.ready_launcher()
     pool = Pool(placement, backend or "auto")
     run_id = session.next_run_id()
     record = RunRecord(run_id, "%xla_pool start", pool.backend, pool.devices)
-    _remember(session, record)
+    session.remember(record)
     run = PoolStart(pool, _request_spec(pool, "%xla_pool start", False, READY_TIMEOUT), record, 0, None,
                     session, live_lines=live_lines)
     began = time.monotonic()
     try:
-        run.start()
+        session.start_run(run)
         run.wait()
     except BaseException:
         pool.stop()
@@ -893,7 +883,7 @@ def run_cell(
                                   has_result=has_result, results_to=pool.results.prefix, **shipping)
         spec = _request_spec(pool, cell, has_result, timeout)
         record = RunRecord(run_id, cell, pool.backend, pool.devices)
-        _remember(session, record)
+        session.remember(record)
         run = PoolRun(pool, spec, record, seq, request, session, live_lines=live_lines)
         run.start()
         try:

@@ -839,12 +839,17 @@ class Session:
     def run(self, spec: RunSpec, run_id: int, cell: str, live_lines: bool = False) -> list[Any] | None:
         launcher = self.ready_launcher()
         record = RunRecord(run_id, cell, spec.backend, spec.devices)
-        self.history = (self.history + [record])[-self.HISTORY :]
+        self.remember(record)
         run = Run(spec, launcher, record, self._notify, live_lines=live_lines, workdir=self.workdir)
-        self._start(run)
+        self.start_run(run)
         return run.wait()
 
-    def _start(self, run: Run) -> None:
+    def remember(self, record: RunRecord) -> None:
+        """Keep the record in the recent runs (the status panel's history)."""
+        self.history = (self.history + [record])[-self.HISTORY :]
+
+    def start_run(self, run: Run) -> None:
+        """Start a run; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
         try:
             run.start()
         except BaseException as exc:
