@@ -56,6 +56,15 @@ def kernel_is_xla_free() -> bool:
     return "torch_xla" not in sys.modules and "_XLAC" not in sys.modules
 
 
+def assert_every_rank(values: list[dict], expected_for: Any, exact: bool = True) -> None:
+    """Each rank's dict of results equals ``expected_for(rank)``, key by key."""
+    for rank, got in enumerate(values):
+        expected = expected_for(rank)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert_same(got[name], expected[name], f"rank {rank} {name}", exact)
+
+
 def assert_same(got: Any, expected: Any, where: str, exact: bool = True) -> None:
     """Compare nested lists/tensors/values; tensors by dtype and value.
 
@@ -75,3 +84,16 @@ def assert_same(got: Any, expected: Any, where: str, exact: bool = True) -> None
             assert_same(g, e, f"{where}[{i}]", exact)
     else:
         assert got == expected, f"{where}: {got!r} != {expected!r}"
+
+
+# Defined in cells: which file (if any) backs the memory at an address, as
+# /proc/self/maps says (shows whether a value came through shared memory).
+BACKING = """
+def backing(address):
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(part, 16) for part in fields[0].split("-"))
+        if start <= address < end:
+            return " ".join(fields[5:])
+    return ""
+"""

@@ -18,7 +18,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from conftest import kernel_is_xla_free
+from conftest import BACKING, kernel_is_xla_free
 from xla_magic import transport
 from xla_magic.display import RankError, RunInterrupted
 
@@ -312,16 +312,6 @@ def test_no_pool_commands_without_a_pool(ip):
 
 BIG = 1 << 20  # float32 elements: 4 MiB, above transport's 1 MiB threshold
 
-# Defined in cells: which file backs the memory at an address, as /proc/self/maps says.
-BACKING = """
-def backing(address):
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        start, end = (int(part, 16) for part in fields[0].split("-"))
-        if start <= address < end:
-            return " ".join(fields[5:])
-    return ""
-"""
 
 # Defined in cells: the segments this rank holds open (descriptors, its own views' included).
 OPEN_SEGMENTS = """

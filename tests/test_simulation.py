@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_same, kernel_is_xla_free
+from conftest import assert_every_rank, kernel_is_xla_free
 from xla_magic.display import RankError
 
 # --- a data-parallel training cell written for a TPU ---------------------------
@@ -174,11 +174,7 @@ def expected_collectives(n: int, r: int) -> dict:
 @pytest.mark.parametrize("devices", [1, 2, 8])
 def test_replaced_calls_behave_as_on_a_tpu_slice(spawn, devices):
     run = spawn(f"--devices {devices} --backend cpu", COLLECTIVES)
-    for rank, got in enumerate(run.value):
-        expected = expected_collectives(devices, rank)
-        assert got.keys() == expected.keys()
-        for name in expected:
-            assert_same(got[name], expected[name], f"rank {rank} {name}")
+    assert_every_rank(run.value, lambda rank: expected_collectives(devices, rank))
 
 
 # --- what a TPU refuses ------------------------------------------------------

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_same, kernel_is_xla_free
+from conftest import assert_every_rank, kernel_is_xla_free
 from xla_magic.kernel_strategy import OutsideSpawnError
 
 SURFACE = """
@@ -91,11 +91,7 @@ def expected_surface(n: int, r: int) -> dict:
 @pytest.mark.parametrize("devices", [1, 2, 8])
 def test_every_strategy_method_on_the_simulation(spawn, devices):
     run = spawn(f"--devices {devices} --backend cpu", SURFACE)
-    for rank, got in enumerate(run.value):
-        expected = expected_surface(devices, rank)
-        assert got.keys() == expected.keys()
-        for name in expected:
-            assert_same(got[name], expected[name], f"rank {rank} {name}", exact=False)
+    assert_every_rank(run.value, lambda rank: expected_surface(devices, rank), exact=False)
 
 
 CHECKPOINT = """

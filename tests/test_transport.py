@@ -20,22 +20,12 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from conftest import kernel_is_xla_free
+from conftest import BACKING, kernel_is_xla_free
 from xla_magic import transport
 from xla_magic.display import RankError, RunInterrupted
 
 BIG = 1 << 20  # elements: 4 MiB of float32, above the 1 MiB threshold
 
-# Defined in cells: which file (if any) backs the memory at an address.
-BACKING = """
-def backing(address):
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        start, end = (int(part, 16) for part in fields[0].split("-"))
-        if start <= address < end:
-            return " ".join(fields[5:])
-    return ""
-"""
 
 
 def ours() -> list[str]:

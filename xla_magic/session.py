@@ -133,7 +133,7 @@ def sweep_orphan_dirs(root: str | None = None) -> None:
         if match is None:
             continue
         pid = int(match.group(1))
-        if not name.startswith(transport.kernel_prefix(pid) + PrivateDir.SUFFIX) or _process_exists(pid):
+        if not name.startswith(transport.kernel_prefix(pid) + PrivateDir.SUFFIX) or transport.process_alive(pid):
             continue
         path = os.path.join(root, name)
         try:
@@ -142,16 +142,6 @@ def sweep_orphan_dirs(root: str | None = None) -> None:
             continue
         if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- the launcher -----------------------------------------------------------

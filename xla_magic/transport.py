@@ -97,7 +97,8 @@ def sweep(prefix: str) -> None:
         _unlink(name)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (ours or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -112,7 +113,7 @@ def sweep_orphans() -> None:
     namespace = _pid_namespace()
     for name in segment_names():
         match = _NAME.match(name)
-        if match and match.group(1) == namespace and not _alive(int(match.group(2))):
+        if match and match.group(1) == namespace and not process_alive(int(match.group(2))):
             _unlink(name)
 
 
