@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from test_faults import assert_nothing_left
-from xla_magic import session as session_module, transport
+from xla_magic import launcher_client, transport
 from xla_magic.display import RankError, RunInterrupted
 
 
@@ -49,12 +49,12 @@ def open_files() -> set[str]:
     return found
 
 
-def resume(launcher: session_module.Launcher) -> None:
+def resume(launcher: launcher_client.Launcher) -> None:
     if launcher.alive():
         os.kill(launcher.pid, signal.SIGCONT)
 
 
-def interrupt_once_sent(launcher: session_module.Launcher) -> threading.Thread:
+def interrupt_once_sent(launcher: launcher_client.Launcher) -> threading.Thread:
     """Press the stop button once the launcher has the job and the kernel waits for its answer."""
 
     def press() -> None:
@@ -95,7 +95,7 @@ def test_an_interrupt_while_the_launcher_takes_a_cell_costs_the_launcher_not_the
 def test_a_launcher_that_does_not_take_a_cell_is_replaced_without_leaks(ip, spawn, monkeypatch):
     session = ip._xla_magic_session
     old = session.ready_launcher()
-    monkeypatch.setattr(session_module, "SUBMIT_TIMEOUT", 1.0)
+    monkeypatch.setattr(launcher_client, "SUBMIT_TIMEOUT", 1.0)
     os.kill(old.pid, signal.SIGSTOP)
     try:
         with pytest.raises(UsageError, match=r"did not take the cell within 1 s.*next cell starts a new one") as info:
@@ -167,7 +167,7 @@ def test_ranks_see_the_kernel_environment_as_it_is_now(ip, spawn, monkeypatch):
         assert pythonpath.split(os.pathsep) == [import_dir, *kernel_path]
     assert os.listdir(import_dir) == ["xla_magic"]
     assert os.path.realpath(os.path.join(import_dir, "xla_magic")) == os.path.dirname(
-        os.path.realpath(session_module.__file__)
+        os.path.realpath(launcher_client.__file__)
     )
 
     # A pool's job is built through the launcher too.
@@ -299,7 +299,7 @@ def test_a_killed_kernel_s_directory_is_removed_by_the_next_session():
         kernel.stdout.close()
     workdir = os.path.dirname(logs)
     assert os.path.isdir(logs)
-    fresh = session_module.PrivateDir()
+    fresh = launcher_client.PrivateDir()
     try:
         assert fresh.path != workdir
         assert not os.path.exists(workdir)

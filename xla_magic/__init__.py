@@ -35,7 +35,7 @@ def _prewarm(session: Any) -> None:
 
     Never fails %load_ext: a launcher that cannot start says why at first use.
     """
-    from xla_magic.session import LauncherError
+    from xla_magic.launcher_client import LauncherError
 
     try:
         session.ensure_launcher()

@@ -11,7 +11,7 @@ shared-memory segment each, and stay with them while unchanged
 sent again only when it changed (:class:`Shipping`). Large results and
 pulled values come back the same way, under the pool's results prefix.
 
-A request is followed by :class:`PoolRun`, a :class:`~xla_magic.session.Run`
+A request is followed by :class:`PoolRun`, a :class:`~xla_magic.run.Run`
 with a different start (send on the open sockets, watched by one selector
 for the pool's life) and a different end (every asked rank said DONE), so
 output, results, errors and fail-fast are the one-shot run's own. Stopping a
@@ -46,19 +46,9 @@ from IPython.core.error import UsageError
 
 from xla_magic import payload, probe, protocol, transport
 from xla_magic.display import RankError, RunInterrupted
-from xla_magic.session import (
-    READY_TIMEOUT,
-    STOP_GRACE,
-    RankState,
-    Run,
-    RunRecord,
-    RunSpec,
-    Session,
-    _Conn,
-    describe_exit,
-    plan,
-    refuse_if_kernel_holds_devices,
-)
+from xla_magic.launcher_client import READY_TIMEOUT
+from xla_magic.run import STOP_GRACE, RankState, Run, RunRecord, RunSpec, _Conn, describe_exit
+from xla_magic.session import Session, plan, refuse_if_kernel_holds_devices
 
 RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
 EXIT_CODE_WAIT = 1.0  # after a rank's socket closes, how long to wait for its exit code

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_magic import pool as rank_pool, probe
-from xla_magic.session import Launcher, RankState, RunRecord, Session
+from xla_magic.launcher_client import Launcher
+from xla_magic.run import RankState, RunRecord
+from xla_magic.session import Session
 
 HISTORY_SHOWN = 10
 LAST_LINE_CHARS = 80
