@@ -26,6 +26,11 @@ RESET = "\x1b[0m"
 DEFAULT_LINES_PER_RANK = 1000
 
 
+def in_notebook(shell: object) -> bool:
+    """A Jupyter kernel's shell, where display areas and widgets render."""
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def tag(rank: int, stream: str) -> str:
     if stream == "stderr":
         return f"{RED}[rank {rank}]{RESET} "

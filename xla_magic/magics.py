@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from xla_magic import pool as rank_pool, widget
+from xla_magic.display import in_notebook
 from xla_magic.session import Session
 
 
@@ -80,7 +81,7 @@ class XlaMagics(Magics):
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
-        live = _in_notebook(self.shell)
+        live = in_notebook(self.shell)
         pool = rank_pool.current(self.session)
         if pool is not None and not args.fresh:
             results = rank_pool.run_cell(
@@ -147,7 +148,7 @@ class XlaMagics(Magics):
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)
-        live = _in_notebook(self.shell)
+        live = in_notebook(self.shell)
         if args.action == "start":
             rank_pool.start(self.session, args.devices, args.backend, live_lines=live)
         elif args.action == "restart":
@@ -177,7 +178,3 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--rank goes with %xla_pool pull only")
     if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):
         raise UsageError("--devices and --backend go with %xla_pool start and restart only")
-
-
-def _in_notebook(shell: Any) -> bool:
-    return type(shell).__name__ == "ZMQInteractiveShell"

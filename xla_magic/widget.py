@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_magic import pool as rank_pool, probe
+from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
 from xla_magic.run import RankState, RunRecord
 from xla_magic.session import Session
@@ -470,8 +471,7 @@ def widgets_available() -> bool:
 
 def show_status(session: Session, shell: Any, text: bool = False) -> None:
     """Display the live panel in a notebook; print the facts as text elsewhere."""
-    in_notebook = type(shell).__name__ == "ZMQInteractiveShell"
-    if text or not in_notebook or not widgets_available():
+    if text or not in_notebook(shell) or not widgets_available():
         print(render_text(snapshot(session)))
         if not text:
             print(WIDGET_HINT)
