@@ -213,7 +213,7 @@ def test_garbled_message_becomes_an_error_not_a_crash(spawn):
     cell = (
         "import gc\n"
         "from xla_magic import protocol\n"
-        "channel = next(o for o in gc.get_objects() if isinstance(o, protocol.Channel))\n"
+        "channel = next(o for o in gc.get_objects() if isinstance(o, protocol.Channel) and o.sock.fileno() >= 0)\n"
         "channel.sock.sendall(b'\\x00\\x00\\x00\\x05garbage')\n"
         "import time; time.sleep(600)"
     )

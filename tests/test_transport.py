@@ -177,9 +177,10 @@ def test_unpicklable_neighbour_leaves_no_segment(ip, spawn):
 
 KILLED_KERNEL = """
 import os, signal, sys, torch
-from xla_magic import payload
-built = payload.build("big.sum()", "<cell>", {"big": torch.ones(1 << 20)}, {})
-print(",".join(built.segments.names()), flush=True)
+from xla_magic.shipping import Shipping
+shipping = Shipping()
+shipping.fields({"big": torch.ones(1 << 20)})  # what a cell that reads it ships
+print(",".join(shipping.held.segments.names()), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

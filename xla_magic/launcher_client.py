@@ -210,13 +210,10 @@ class Launcher:
     def submit(self, job: dict[str, Any], fds: list[int]) -> int:
         """Hand a job and its sockets to the launcher; the supervisor's pid.
 
-        The job goes with the kernel's environment changes, and with a gloo
-        store directory if it names none (a pool's: it lasts with the session).
+        The job goes with the kernel's environment changes.
         """
         self.wait_ready()
         job = {**job, "environment": self.environment_changes()}
-        if "store" not in job:
-            job["store"] = self.workdir.new(f"store-{job['run_id']}-")
         self.in_step = False
         try:
             self.channel.sock.settimeout(SUBMIT_TIMEOUT)

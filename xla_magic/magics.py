@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import pool as rank_pool, widget
+from xla_magic import widget
 from xla_magic.display import in_notebook
 from xla_magic.session import Session
 
@@ -81,20 +81,10 @@ class XlaMagics(Magics):
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out takes a variable name, not {args.out!r}")
-        live = in_notebook(self.shell)
-        pool = rank_pool.current(self.session)
-        if pool is not None and not args.fresh:
-            results = rank_pool.run_cell(
-                self.session, cell, args.devices, args.backend, args.timeout,
-                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=live,
-            )
-        else:
-            if pool is not None:
-                pool.check_fresh_allowed()
-            results = self.session.spawn(
-                cell, args.backend, args.devices, args.timeout,
-                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=live,
-            )
+        results = self.session.run_cell(
+            cell, args.devices, args.backend, args.timeout, args.fresh,
+            self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
+        )
         if args.out:
             self.shell.user_ns[args.out] = results
         # Like a cell ending in print(...): nothing worth showing.
@@ -150,17 +140,17 @@ class XlaMagics(Magics):
         _check_pool_arguments(args)
         live = in_notebook(self.shell)
         if args.action == "start":
-            rank_pool.start(self.session, args.devices, args.backend, live_lines=live)
+            self.session.start_pool(args.devices, args.backend, live_lines=live)
         elif args.action == "restart":
-            rank_pool.restart(self.session, args.devices, args.backend, live_lines=live)
+            self.session.restart_pool(args.devices, args.backend, live_lines=live)
         elif args.action == "stop":
-            print("pool stopped" if rank_pool.stop(self.session) else "no pool is running")
+            print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":
-            rank_pool.push(self.session, args.names, self.shell.user_ns)
+            self.session.push(args.names, self.shell.user_ns)
         elif args.action == "pull":
-            self.shell.user_ns[args.names[0]] = rank_pool.pull(self.session, args.names[0], args.rank)
+            self.shell.user_ns[args.names[0]] = self.session.pull(args.names[0], args.rank)
         else:
-            print(rank_pool.describe(self.session))
+            print(self.session.describe_pool())
 
 
 def _check_pool_arguments(args: argparse.Namespace) -> None:

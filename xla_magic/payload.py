@@ -1,9 +1,10 @@
-"""Cell -> payload: the source the ranks run and the notebook names it reads.
+"""A cell's source: whether it compiles, what it returns, which notebook names it reads.
 
 Runs in the kernel. The cell is compiled here first, so a syntax error never
-launches anything; the names the cell reads are pickled with cloudpickle
-(notebook functions and classes by value, modules by reference), and a value
-that cannot be pickled is reported by name before any rank starts.
+launches anything; the names the cell reads are then shipped (shipping.py)
+with cloudpickle (notebook functions and classes by value, modules by
+reference), and a value that cannot be pickled is reported by name before
+any rank starts.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import ast
 import builtins
 import io
 import tokenize
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from IPython.core.error import UsageError
@@ -21,17 +21,6 @@ from xla_magic import transport
 
 # Names every rank provides itself; the kernel's values are never shipped.
 RANK_NAMES = frozenset({"rank", "world_size", "device", "strategy"})
-
-
-@dataclass(frozen=True)
-class Payload:
-    source: str
-    filename: str
-    has_result: bool
-    namespace: bytes
-    shipped: tuple[str, ...] = field(default=())
-    # Shared-memory segments holding the large values; swept when the run ends.
-    segments: transport.RunSegments | None = field(default=None, compare=False, repr=False)
 
 
 def compile_cell(source: str, filename: str) -> bool:
@@ -166,15 +155,19 @@ def pickle_namespace(values: Mapping[str, Any], segments: transport.RunSegments 
         ) from whole_error
 
 
-def build(source: str, filename: str, user_ns: Mapping[str, Any], hidden: Mapping[str, Any]) -> Payload:
-    has_result = compile_cell(source, filename)
-    values = select_names(names_read(source), user_ns, hidden)
-    segments = transport.RunSegments()
-    return Payload(
-        source=source,
-        filename=filename,
-        has_result=has_result,
-        namespace=pickle_namespace(values, segments),
-        shipped=tuple(values),
-        segments=segments,
-    )
+_ANALYSED_CELLS_KEPT = 128
+_analysed: dict[str, tuple[bool, frozenset[str]]] = {}
+
+
+def analyse(source: str, filename: str) -> tuple[bool, frozenset[str]]:
+    """(ends in an expression, names read) of a cell, computed once per source.
+
+    Raises SyntaxError, pointing into the cell, when it does not compile.
+    """
+    known = _analysed.get(source)
+    if known is None:
+        known = (compile_cell(source, filename), frozenset(names_read(source)))
+        if len(_analysed) >= _ANALYSED_CELLS_KEPT:
+            _analysed.pop(next(iter(_analysed)))
+        _analysed[source] = known
+    return known

@@ -34,12 +34,12 @@ STARTED = "started"
 SPAWNED = "spawned"
 EXIT = "exit"
 ENDED = "ended"
-# kernel -> pool rank, on the rank's events socket (see launcher/pool.py);
-# each carries a ``seq`` that the rank's RESULT, ERROR and DONE echo
+# kernel -> rank, on the rank's events socket, or with a one-shot JOB as its
+# ``first`` (see launcher/serve.py); each carries a ``seq`` that the rank's
+# RESULT, ERROR and DONE echo
 CELL = "cell"
 PUSH = "push"
 PULL = "pull"
-POOL_JOB = "pool"  # the ``mode`` of a JOB whose ranks serve requests until EOF
 # rank -> kernel (output travels as raw bytes on the stdout/stderr sockets)
 RESULT = "result"
 ERROR = "error"

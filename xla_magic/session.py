@@ -1,21 +1,25 @@
-"""The per-kernel session: what the extension started in one kernel.
+"""The per-kernel session: what the extension started in one kernel. Runs in the kernel.
 
-Runs in the kernel. Decides where a cell runs (``plan``), owns the launcher,
-the recent runs (the status panel's history) and the pool, and starts
-one-shot runs.
+Decides where a cell goes (the pool, or a set of ranks that lives for this
+cell only), owns the launcher, the pool and its commands, and the recent
+requests (the status panel's history). Every cell, push and pull becomes
+one :class:`~xla_magic.request.Request` to one :class:`~xla_magic.ranks.Ranks`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import sys
+import time
+from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload as payload_module
-from xla_magic import probe
+from xla_magic import payload, probe, protocol, transport
 from xla_magic.display import RunInterrupted
-from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
-from xla_magic.run import Run, RunRecord, RunSpec
+from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
+from xla_magic.ranks import Ranks
+from xla_magic.request import Request, RunRecord
+
 
 def plan(backend: str, devices: int | None, action: str) -> probe.Placement:
     """Where ``action`` would run, or the UsageError that says why it cannot."""
@@ -33,9 +37,6 @@ def refuse_if_kernel_holds_devices(action: str) -> None:
         raise UsageError(f"{action} refused: {refusal}")
 
 
-# --- the per-kernel session -------------------------------------------------
-
-
 class Session:
     """Everything the extension started in one kernel."""
 
@@ -47,7 +48,9 @@ class Session:
         self.run_count = 0
         self.history: list[RunRecord] = []
         self.listeners: list[Callable[[RunRecord], None]] = []
-        self.pool: Any = None  # the running xla_magic.pool.Pool, if any
+        self.pool: Ranks | None = None  # the kept ranks, while a pool runs (or is broken)
+
+    # -- the launcher ------------------------------------------------------
 
     def ensure_launcher(self) -> Launcher:
         """The launcher, started if there is none (LauncherError if it cannot be)."""
@@ -72,58 +75,86 @@ class Session:
         if launcher is not None:
             launcher.stop()
 
-    def next_run_id(self) -> int:
-        self.run_count += 1
-        return self.run_count
+    # -- cells -------------------------------------------------------------
 
-    def spawn(
+    def run_cell(
         self,
         cell: str,
-        backend: str,
         devices: int | None,
+        backend: str,
         timeout: float | None,
-        user_ns: dict[str, Any],
-        hidden: dict[str, Any],
+        fresh: bool,
+        user_ns: Mapping[str, Any],
+        hidden: Mapping[str, Any],
         live_lines: bool = False,
     ) -> list[Any] | None:
-        """A ``%%xla_spawn`` cell in newly spawned ranks: results by rank."""
+        """A ``%%xla_spawn`` cell: in the pool while one runs (unless ``fresh``), else in new ranks."""
+        pool = self.current_pool()
+        if pool is not None and not fresh:
+            pool.check_fits(devices, backend)
+            pool.check_usable()
+            self._guard_kernel(pool)
+            return self._cell(pool, cell, user_ns, hidden, timeout, live_lines)
+        if pool is not None:
+            pool.check_fresh_allowed()
         placement = plan(backend, devices, "%%xla_spawn")
-        run_id = self.next_run_id()
-        cell_payload = payload_module.build(cell, f"<xla_spawn cell {run_id}>", user_ns, hidden)
-        spec = RunSpec(
-            payload=cell_payload,
-            backend=placement.backend,
-            devices=placement.devices,
-            cpu_threads=placement.cpu_threads,
-            timeout=timeout,
-        )
+        ranks = Ranks(placement, keep=False, requested_backend=backend, workdir=self.workdir)
         try:
-            return self.run(spec, run_id, cell, live_lines=live_lines)
+            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines)
         finally:
-            # However the cell ended (before the run took the segments over,
-            # too), nothing it shipped stays in shared memory.
-            if cell_payload.segments is not None:
-                cell_payload.segments.sweep()
+            ranks.stop()
 
-    def run(self, spec: RunSpec, run_id: int, cell: str, live_lines: bool = False) -> list[Any] | None:
-        launcher = self.ready_launcher()
-        record = RunRecord(run_id, cell, spec.backend, spec.devices)
-        self.remember(record)
-        run = Run(spec, launcher, record, self._notify, live_lines=live_lines, workdir=self.workdir)
-        self.start_run(run)
-        return run.wait()
-
-    def remember(self, record: RunRecord) -> None:
-        """Keep the record in the recent runs (the status panel's history)."""
-        self.history = (self.history + [record])[-self.HISTORY :]
-
-    def start_run(self, run: Run) -> None:
-        """Start a run; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
+    def _cell(
+        self,
+        ranks: Ranks,
+        cell: str,
+        user_ns: Mapping[str, Any],
+        hidden: Mapping[str, Any],
+        timeout: float | None,
+        live_lines: bool,
+    ) -> list[Any] | None:
+        """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
+        run_id = self.next_run_id()
+        filename = f"<xla_spawn cell {run_id}>"
+        has_result, names = payload.analyse(cell, filename)
+        values = payload.select_names(names, user_ns, hidden)
+        delivered = False
         try:
-            run.start()
+            shipping, changed = ranks.shipping.fields(values)
+            seq = ranks.next_seq()
+            frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
+                                    has_result=has_result, results_to=ranks.results.prefix, **shipping)
+            launching = ranks.state == "starting"
+            record = RunRecord(run_id, cell, ranks.backend, ranks.devices)
+            request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
+                              has_result=has_result, timeout=timeout, on_update=self._notify,
+                              live_lines=live_lines)
+            if launching:
+                self._launch(ranks, record, first=frame)
+            else:
+                self.remember(record)
+            request.start()
+            try:
+                return request.wait()
+            finally:
+                delivered = request.delivered
+                if delivered:
+                    ranks.shipping.sent(changed, shipping)
+                    ranks.cells += 1
+        finally:
+            ranks.shipping.settle(delivered)
+
+    def _launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
+        """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
+        launcher = self.ready_launcher()
+        self.remember(record)
+        try:
+            ranks.launch(launcher, record.run_id, first)
         except BaseException as exc:
-            given_up = not run.launcher.alive()  # stopped while the job was in flight
-            if given_up and self.launcher is run.launcher:
+            record.outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self._notify(record)
+            given_up = not launcher.alive()  # stopped while the job was in flight
+            if given_up and self.launcher is launcher:
                 self.drop_launcher()
             if isinstance(exc, LauncherError):
                 raise UsageError(str(exc)) from exc
@@ -133,6 +164,124 @@ class Session:
                     f"interrupted while handing the cell to the launcher, before it ran{where}", {}
                 ) from None
             raise
+
+    def _guard_kernel(self, pool: Ranks) -> None:
+        """The kernel guard of every pool cell, without its /proc scan while no module was imported since."""
+        if len(sys.modules) != pool.modules_checked:
+            refuse_if_kernel_holds_devices("%%xla_spawn")
+            pool.modules_checked = len(sys.modules)
+        elif probe.kernel_xla_runtime():  # a runtime torch_xla had imported may start any time
+            refuse_if_kernel_holds_devices("%%xla_spawn")
+
+    # -- the pool ------------------------------------------------------------
+
+    def current_pool(self) -> Ranks | None:
+        """The session's pool, unless there is none or it was stopped."""
+        pool = self.pool
+        return None if pool is None or pool.state == "stopped" else pool
+
+    def start_pool(self, devices: int | None, backend: str | None, live_lines: bool = False) -> Ranks:
+        """``%xla_pool start``: a pool of ready ranks, or the one already running."""
+        running = self.current_pool()
+        if running is not None:
+            running.check_usable()
+            running.check_fits(devices, backend or "auto")
+            print(f"the pool is already running: {running.describe()}")
+            return running
+        placement = plan(backend or "auto", devices, "%xla_pool start")
+        pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir)
+        record = RunRecord(self.next_run_id(), "%xla_pool start", pool.backend, pool.devices)
+        start = Request(pool, record, 0, None, workdir=self.workdir, has_result=False, timeout=READY_TIMEOUT,
+                        on_update=self._notify, live_lines=live_lines)
+        began = time.monotonic()
+        try:
+            self._launch(pool, record, first=None)
+            start.start()
+            start.wait()
+        except BaseException:
+            pool.stop()
+            raise
+        pool.start_seconds = time.monotonic() - began
+        pool.state = "ready"
+        self.pool = pool
+        print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
+        return pool
+
+    def stop_pool(self) -> bool:
+        """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
+        pool, self.pool = self.current_pool(), None
+        if pool is None:
+            return False
+        pool.stop()
+        return True
+
+    def restart_pool(self, devices: int | None, backend: str | None, live_lines: bool = False) -> Ranks:
+        old = self.current_pool()
+        if old is not None:
+            devices = devices if devices is not None else old.devices
+            backend = backend or old.requested_backend
+            self.stop_pool()
+        return self.start_pool(devices, backend, live_lines)
+
+    def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
+        """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""
+        self._usable_pool()
+        missing = [name for name in names if name not in user_ns]
+        if missing:
+            raise UsageError(f"no notebook variable named {', '.join(missing)} to push")
+        values = {name: user_ns[name] for name in names}
+        segments = transport.RunSegments()  # large values: mapped by every rank, unlinked once all have
+        try:
+            self._exchange(protocol.PUSH, f"%xla_pool push {' '.join(names)}", None, False,
+                           values=payload.pickle_namespace(values, segments))
+        finally:
+            segments.sweep()
+
+    def pull(self, name: str, rank: int | None) -> Any:
+        """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
+        pool = self._usable_pool()
+        if rank is not None and not 0 <= rank < pool.devices:
+            raise UsageError(f"--rank must be between 0 and {pool.devices - 1} (the pool has {pool.devices} ranks)")
+        request = self._exchange(protocol.PULL, f"%xla_pool pull {name}", None if rank is None else [rank], True,
+                                 name=name, results_to=pool.results.prefix)
+        if rank is not None:
+            return request.results.get(rank)
+        return [request.results.get(r) for r in range(pool.devices)]
+
+    def describe_pool(self) -> str:
+        pool = self.current_pool()
+        if pool is None:
+            return ("no pool is running. %xla_pool start [--devices N] starts one; %%xla_spawn cells "
+                    "then keep their ranks, namespaces and compiled graphs between cells.")
+        return f"pool {pool.describe()}"
+
+    def _usable_pool(self) -> Ranks:
+        pool = self.current_pool()
+        if pool is None:
+            raise UsageError("no pool is running; start one with %xla_pool start [--devices N]")
+        pool.check_usable()
+        return pool
+
+    def _exchange(self, kind: str, label: str, targets: list[int] | None, has_result: bool,
+                  **fields: Any) -> Request:
+        pool = self._usable_pool()
+        seq = pool.next_seq()
+        record = RunRecord(self.next_run_id(), label, pool.backend, pool.devices)
+        request = Request(pool, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
+                          has_result=has_result, targets=targets, on_update=self._notify)
+        request.start()
+        request.wait()
+        return request
+
+    # -- the record ------------------------------------------------------------
+
+    def next_run_id(self) -> int:
+        self.run_count += 1
+        return self.run_count
+
+    def remember(self, record: RunRecord) -> None:
+        """Keep the record in the recent runs (the status panel's history)."""
+        self.history = (self.history + [record])[-self.HISTORY :]
 
     def _notify(self, record: RunRecord) -> None:
         for listener in list(self.listeners):
@@ -152,3 +301,4 @@ class Session:
                 self.drop_launcher()
             finally:
                 self.workdir.close()
+

@@ -13,7 +13,7 @@ the write stays private to that rank. Smaller values stay in the pickle.
 Ranks -> kernel: large results are written the same way; the kernel maps the
 file, unlinks it at once, and so owns the memory outright.
 
-A pool's ranks (pool.py, launcher/pool.py) keep what a cell read for the
+Ranks (shipping.py, launcher/serve.py) keep what a cell read for the
 next cells: the pickle names each segment through :func:`held_segment`, every
 rank keeps a descriptor of it, and each cell maps a fresh copy-on-write view.
 
@@ -199,6 +199,27 @@ def adopt(name: str) -> mmap.mmap:
         _unlink(name)
 
 
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+class HeldMapping:
+    """The kernel's read-only look at a segment it wrote, to tell whether a value still has its bytes.
+
+    Compared with memcmp at memory speed (about 0.05 s per GiB, where
+    hashing takes 0.8 s), which is exact whatever wrote to the value.
+    """
+
+    def __init__(self, name: str) -> None:
+        mapping = map_private(name)
+        self.size = len(mapping)
+        self._start = ctypes.c_char.from_buffer(mapping)  # holds the mapping open as long as we do
+
+    def same_bytes(self, large: "LargeValue") -> bool:
+        return len(large.data) == self.size and _memcmp(ctypes.addressof(self._start), large.address, self.size) == 0
+
+
 # --- which values travel this way ---------------------------------------------
 
 
@@ -312,10 +333,10 @@ def view_on(buffer: mmap.mmap, kind: str, args: tuple) -> Any:
 def held_segment(kind: str, name: str, args: tuple) -> Any:
     """In a pickle for a pool's ranks: a large value the ranks keep open in shared memory.
 
-    Only a pool rank's loader resolves it (xla_magic/launcher/pool.py), to a
+    Only a rank's loader resolves it (xla_magic/launcher/serve.py), to a
     fresh copy-on-write view for every cell; anywhere else it is an error.
     """
-    raise RuntimeError(f"segment {name!r} is held by a pool's ranks; only their loader can open it")
+    raise RuntimeError(f"segment {name!r} is held by the ranks; only their loader can open it")
 
 
 # --- pickling -----------------------------------------------------------------

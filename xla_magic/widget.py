@@ -23,10 +23,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from xla_magic import pool as rank_pool, probe
+from xla_magic import probe
 from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
-from xla_magic.run import RankState, RunRecord
+from xla_magic.ranks import Ranks
+from xla_magic.request import RankState, RunRecord
 from xla_magic.session import Session
 
 HISTORY_SHOWN = 10
@@ -81,7 +82,7 @@ def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
         facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher), pool_fact(rank_pool.current(session))],
+               launcher_fact(session.launcher), pool_fact(session.current_pool())],
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),
     )
@@ -159,7 +160,7 @@ def _readable(launcher: Launcher) -> bool:
     return bool(ready)
 
 
-def pool_fact(pool: rank_pool.Pool | None) -> Fact:
+def pool_fact(pool: Ranks | None) -> Fact:
     if pool is None:
         return Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")
     return Fact("Pool", pool.describe())
@@ -374,7 +375,7 @@ class StatusPanel:
         self.history.value = history_html(snap.history)
         running = snap.run is not None and snap.run.outcome == "running"
         self.interrupt.disabled = not running or snap.run.interrupt_requested
-        self.stop_pool.disabled = rank_pool.current(self.session) is None
+        self.stop_pool.disabled = self.session.current_pool() is None
         notes = [self._notice]
         if running and snap.run.interrupt_requested:
             notes.append("interrupt requested: stopping the ranks")
@@ -396,7 +397,7 @@ class StatusPanel:
 
     def _on_stop_pool(self, _button: Any) -> None:
         try:
-            self._say("pool stopped" if rank_pool.stop(self.session) else "no pool to stop")
+            self._say("pool stopped" if self.session.stop_pool() else "no pool to stop")
         except Exception as exc:  # show it in the panel; a button has nowhere else to raise
             self._say(f"stopping the pool failed: {type(exc).__name__}: {exc}")
         finally:

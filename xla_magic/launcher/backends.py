@@ -2,7 +2,12 @@
 
 The supervisor leads a new process group (so the kernel can signal the whole
 run at once), dies with the launcher, and reports each rank's exit to the
-kernel on its own socket.
+kernel on its own socket. It is a child subreaper: once its ranks are gone
+it ends every process they left behind, however they detached, and only
+then says ENDED (see lifetime.py).
+
+Every rank runs serve.serve(); a job with a ``first`` request is one-shot
+(its ranks answer that request and leave), one without is a pool.
 
 - cpu: one forked process per rank, each with a single XLA CPU device
   (PJRT_DEVICE=CPU), joined in a gloo process group on loopback.
@@ -19,7 +24,7 @@ import traceback
 from typing import Any
 
 from xla_magic import protocol
-from xla_magic.launcher import interrupt, lifetime, pool as pool_module, rank as rank_module, simulate, strategy as strategy_module
+from xla_magic.launcher import interrupt, lifetime, rank as rank_module, serve, simulate, strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -42,15 +47,16 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
         _supervisor_pid = os.getpid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # ranks handle interrupts
+        lifetime.become_subreaper()
         ranks = [
             rank_module.RankSockets(*(socket.socket(fileno=fd) for fd in fds[i : i + 3]))
             for i in range(1, len(fds), 3)
         ]
-        cell = None if job.get("mode") == protocol.POOL_JOB else _cell_job(job)
+        first = job.get("first")
         if job["backend"] == "cpu":
-            run_cpu(cell, ranks, supervisor, job["store"])
+            run_cpu(first, job["run_id"], ranks, supervisor, job["store"])
         else:
-            run_tpu(cell, ranks, supervisor, cpu_threads=job["cpu_threads"])
+            run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"])
     except BaseException:
         code = 1
         try:
@@ -70,16 +76,6 @@ def _apply_environment(changes: dict[str, Any]) -> None:
     os.environ.update(changes["set"])
 
 
-def _cell_job(job: dict[str, Any]) -> rank_module.CellJob:
-    return rank_module.CellJob(
-        run_id=job["run_id"],
-        source=job["source"],
-        filename=job["filename"],
-        has_result=job["has_result"],
-        namespace=job["namespace"],
-    )
-
-
 def _rank_environment() -> None:
     for name in STALE_TPU_VARIABLES:
         os.environ.pop(name, None)
@@ -91,20 +87,21 @@ def _rank_environment() -> None:
 
 
 def run_cpu(
-    cell: rank_module.CellJob | None,
+    first: bytes | None,
+    run_id: int,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     store: str,
 ) -> None:
-    """Fork the ranks; ``store`` is the kernel's directory for gloo's file store
-    (the kernel removes it, however the run ends)."""
+    """Fork the ranks; ``store`` is the kernel's directory for the run's gloo
+    store (the kernel owns it and removes it when the ranks end)."""
     world_size = len(ranks)
     supervisor_pid = os.getpid()
     pids: dict[int, int] = {}
-    for rank, sockets in enumerate(ranks):
+    for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
-            _cpu_rank(rank, world_size, ranks, cell, store, supervisor_pid)
+            _cpu_rank(rank, world_size, ranks, supervisor, first, run_id, store, supervisor_pid)
         pids[pid] = rank
     for sockets in ranks:
         for sock in sockets.all():
@@ -114,6 +111,7 @@ def run_cpu(
         pid, status = os.wait()
         if pid in pids:
             supervisor.send(protocol.EXIT, rank=pids.pop(pid), code=lifetime.exit_code(status))
+    lifetime.end_descendants()
     supervisor.send(protocol.ENDED, error=None)
 
 
@@ -121,19 +119,19 @@ def _cpu_rank(
     rank: int,
     world_size: int,
     ranks: list[rank_module.RankSockets],
-    cell: rank_module.CellJob | None,
+    supervisor: protocol.Channel,
+    first: bytes | None,
+    run_id: int,
     store: str,
     supervisor_pid: int,
 ) -> None:
-    """A simulated device: one process, one XLA CPU device; never returns.
-
-    With no ``cell`` it is a pool rank, serving requests until the kernel
-    closes its socket.
-    """
+    """A simulated device: one process, one XLA CPU device; never returns."""
     code = 1
     try:
         lifetime.die_with_parent(supervisor_pid)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Only the supervisor speaks on its socket, and a rank's children
+        # must not hold it (nor other ranks' sockets) open.
+        supervisor.close()
         for other, sockets in enumerate(ranks):
             if other != rank:
                 for sock in sockets.all():
@@ -163,11 +161,8 @@ def _cpu_rank(
             strategy_module.activate(strategy)
             return {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
 
-        if cell is None:
-            ok = pool_module.serve(rank, ranks[rank], setup)
-        else:
-            closing = strategy_module.closing_on_store(os.path.join(store, "closing"), cell.run_id, world_size)
-            ok = rank_module.execute(rank, ranks[rank], cell, setup, closing)
+        closing = strategy_module.closing_on_store(os.path.join(store, "closing"), run_id, world_size)
+        ok = serve.serve(rank, ranks[rank], setup, first, closing)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()
@@ -178,7 +173,8 @@ def _cpu_rank(
 
 
 def run_tpu(
-    cell: rank_module.CellJob | None,
+    first: bytes | None,
+    run_id: int,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     cpu_threads: bool,
@@ -197,20 +193,30 @@ def run_tpu(
     interrupt.install_handler()
     supervisor.send(protocol.SPAWNED, pids={})
     try:
-        xmp.spawn(_tpu_rank, args=(ranks, cell), nprocs=nprocs, start_method="fork")
+        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id), nprocs=nprocs, start_method="fork")
     except BaseException:
-        supervisor.send(protocol.ENDED, error=traceback.format_exc())
+        error = traceback.format_exc()
     else:
-        supervisor.send(protocol.ENDED, error=None)
+        error = None
+    lifetime.end_descendants()
+    supervisor.send(protocol.ENDED, error=error)
 
 
-def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_module.CellJob | None) -> None:
-    """Called by xmp.spawn in each rank, process or thread; with no ``cell``, a pool rank."""
+def _tpu_rank(
+    index: int,
+    ranks: list[rank_module.RankSockets],
+    supervisor: socket.socket,
+    first: bytes | None,
+    run_id: int,
+) -> None:
+    """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel)."""
     import torch_xla
     import torch_xla.runtime as xr
 
     if os.getpid() != _supervisor_pid:  # a process xmp.spawn forked, not a thread of the supervisor
         lifetime.die_with_parent(_supervisor_pid)
+        lifetime.become_subreaper()
+        supervisor.close()  # the supervisor's alone; a cell's children must not hold it
 
     def setup() -> dict[str, Any]:
         device = torch_xla.device()
@@ -221,8 +227,5 @@ def _tpu_rank(index: int, ranks: list[rank_module.RankSockets], cell: rank_modul
         strategy_module.activate(strategy)
         return {"rank": index, "world_size": world_size, "device": device, "strategy": strategy}
 
-    if cell is None:
-        pool_module.serve(index, ranks[index], setup)
-    else:
-        rank_module.execute(index, ranks[index], cell, setup, strategy_module.closing_on_xla(cell.run_id))
+    serve.serve(index, ranks[index], setup, first, strategy_module.closing_on_xla(run_id))
     lifetime.flush_c_stdio()

@@ -7,7 +7,8 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Iterator
+import threading
+from typing import Callable, Iterator
 
 _PR_SET_PDEATHSIG = 1
 
@@ -68,3 +69,115 @@ def silenced_stdout() -> Iterator[None]:
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+# --- processes a cell starts --------------------------------------------------
+#
+# A cell may start processes of its own: a subprocess, a forked child, a
+# daemon that double-forks and calls setsid. None of them may outlive what
+# started them, whatever they do to escape: a new session or process group
+# escapes killpg, and a double fork escapes the parent. What no process can
+# escape is its place in the tree under a child subreaper
+# (PR_SET_CHILD_SUBREAPER): orphans are re-parented to the nearest subreaper
+# above them instead of to init. The supervisor and every rank process are
+# subreapers, so everything a cell started stays below the rank that ran it
+# (then below the supervisor), and ending a tree ends it all. A cgroup would
+# do the same but is rarely writable in a notebook container; this needs
+# nothing but Linux >= 3.4.
+
+_PR_SET_CHILD_SUBREAPER = 36
+_kept: set[int] = set()  # processes a cell asked to keep (xla_magic.keep)
+
+
+def become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def children(pid: int | str = "self", tid: int | None = None) -> list[int]:
+    """The children of one thread of ``pid`` (``tid``), or of all its threads."""
+    tids = [str(tid)] if tid is not None else _threads(pid)
+    found: list[int] = []
+    for task in tids:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as listing:
+                found.extend(int(child) for child in listing.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _threads(pid: int | str) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
+def end_trees(roots: Callable[[], list[int]]) -> None:
+    """SIGKILL the processes ``roots()`` names and everything below them, and reap them.
+
+    In rounds: a process forking meanwhile, or an orphan re-parented to us
+    (a subreaper) as its parent dies, is met in the next round.
+    """
+    for _ in range(20):
+        tree = _descendants(roots())
+        if not tree:
+            return
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in tree:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # not ours (yet): a grandchild, re-parented to us as its parent ends
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    seen: list[int] = []
+    todo = [pid for pid in roots if pid not in _kept]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        todo.extend(child for child in children(pid) if child not in _kept)
+    return seen
+
+
+def end_descendants() -> None:
+    """End every process below this one (a supervisor, once its ranks are gone)."""
+    end_trees(children)
+
+
+class ChildWatch:
+    """Ends, after each request, the processes that request started.
+
+    It watches the children of the rank's own thread: in a rank that owns
+    its process that is the main thread, where orphans land too. Processes
+    a cell keeps (``xla_magic.keep``) and those there before the request
+    are left alone.
+    """
+
+    def __init__(self) -> None:
+        self._tid = threading.get_native_id()
+        self._before: set[int] = set()
+
+    def note_existing(self) -> None:
+        self._before = set(children(tid=self._tid))
+
+    def end_new(self) -> None:
+        end_trees(self._new)
+
+    def _new(self) -> list[int]:
+        return [pid for pid in children(tid=self._tid) if pid not in self._before]
+
+
+def keep(pid: int) -> None:
+    """Leave process ``pid`` (and what it starts) alive after the request that started it."""
+    _kept.add(pid)

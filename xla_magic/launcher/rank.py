@@ -1,4 +1,4 @@
-"""Run one cell in one rank and report what happened. Runs in a rank.
+"""What every rank needs to run a cell and report on it: its sockets, code, results, errors, memory. Runs in a rank.
 
 A rank is a process of its own on the cpu backend. On the tpu launch path
 every rank is a thread of torch_xla's per-device thread pool: alone in its
@@ -11,20 +11,17 @@ from __future__ import annotations
 import ast
 import builtins
 import linecache
-import os
 import pickle
 import socket
 import threading
-import time
 import traceback
 import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt
 
 
 @dataclass
@@ -35,15 +32,6 @@ class RankSockets:
 
     def all(self) -> list[socket.socket]:
         return [self.events, self.out, self.err]
-
-
-@dataclass
-class CellJob:
-    run_id: int
-    source: str
-    filename: str
-    has_result: bool
-    namespace: bytes
 
 
 class _ResultPickler(transport.SharedMemoryPickler):
@@ -190,14 +178,6 @@ def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.Code
     return compile(tree, filename, "exec"), last
 
 
-def run_cell(job: CellJob, namespace: dict[str, Any]) -> Any:
-    """Execute the cell in ``namespace``; the value of its last expression."""
-    body, last = compile_cell(job.source, job.filename)
-    with interrupt.Cell():
-        exec(body, namespace)
-        return None if last is None else eval(last, namespace)
-
-
 def format_error(exc: BaseException, filename: str) -> str:
     """The traceback from the first frame of the cell on, like IPython's."""
     tb = exc.__traceback__
@@ -214,74 +194,3 @@ def exception_message(exc: BaseException) -> str:
         return str(exc)
     except Exception as broken:
         return f"<str() of this {type(exc).__name__} failed: {type(broken).__name__}: {broken}>"
-
-
-def report_error(channel: protocol.Channel, exc: BaseException, filename: str) -> None:
-    channel.send(
-        protocol.ERROR,
-        type=type(exc).__name__,
-        message=exception_message(exc),
-        traceback=format_error(exc, filename),
-    )
-
-
-def execute(
-    rank: int,
-    sockets: RankSockets,
-    job: CellJob,
-    setup: Callable[[], dict[str, Any]],
-    closing: Callable[[], None] = lambda: None,
-) -> bool:
-    """The whole life of a rank for one cell; True when the cell succeeded.
-
-    ``setup`` connects the rank to its device and peers and returns the
-    names every rank provides (``rank``, ``world_size``, ``device``,
-    ``strategy``); ``closing`` is the rendezvous ranks leave through.
-    """
-    streams = capture.RankStreams(rank, sockets.out, sockets.err)
-    capture.attach(streams)
-    channel = protocol.Channel(sockets.events)
-    started = time.monotonic()
-    ok = False
-    memory: MemoryReporter | None = None
-    results_to: transport.SegmentWriter | None = None
-    try:
-        channel.send(protocol.STATUS, state="starting", pid=os.getpid())
-        register_source(job.source, job.filename)
-        try:
-            with interrupt.Request():  # SIGINT before the cell begins: it does not run
-                rank_names = setup()
-                namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-                shipped, segment_prefix = transport.load_namespace(job.namespace)
-                namespace.update(shipped)
-                if segment_prefix is not None:
-                    results_to = transport.SegmentWriter(segment_prefix, f"r{rank}")
-                namespace.update(rank_names)
-                bind_rank_names(namespace, rank_names)
-                memory = MemoryReporter(channel, rank_names.get("device"))
-                channel.send(protocol.STATUS, state="running", memory=memory.start())
-                value = run_cell(job, namespace)
-                closing()
-        except BaseException as exc:  # the user's code may raise anything at all
-            streams.flush()
-            report_error(channel, exc, job.filename)
-        else:
-            streams.flush()
-            _send_result(channel, value if job.has_result else None, job.has_result, results_to)
-            ok = True
-    finally:
-        if memory is not None:
-            memory.stop()
-        capture.flush_all()
-        channel.send(protocol.DONE, seconds=time.monotonic() - started)
-    return ok
-
-
-def _send_result(
-    channel: protocol.Channel, value: Any, has_result: bool, segments: transport.SegmentWriter | None = None
-) -> None:
-    if not has_result:
-        channel.send(protocol.RESULT, value=None, empty=True)
-        return
-    kind, fields = result_event(value, segments)
-    channel.send(kind, **fields)

@@ -1,22 +1,23 @@
-"""The serving loop of a pool rank. Runs in a rank (process or thread) for the pool's life.
+"""The one serving loop of every rank. Runs in a rank (process or thread).
 
-A pool's ranks are started once by the launcher (a job of kind ``pool``) and
-then wait on their events socket for requests from the kernel: run a cell,
-take pushed values, send a value back. A rank's namespace, its device and
-everything torch_xla caches (compiled graphs) live as long as the rank, so a
-model built in one cell is used in the next without travelling anywhere.
+Every rank, one-shot or in a pool, on every backend, lives the same life:
+set up (device, peers, in-cell names), say it is ready, then answer
+requests from the kernel on its events socket: run a cell, take pushed
+values, send a value back. A one-shot rank is handed its one request
+through fork, with its job, answers it and leaves; a pool rank then waits
+for more until the kernel closes the socket. Only that policy differs, as
+with ``max_tasks_per_child`` in CPython's concurrent.futures.process.
 
-Each request carries a ``seq`` that the rank's RESULT / ERROR / DONE echo, so
-the kernel can ignore replies to a request it gave up on. The rank leaves its
-loop when the kernel closes the socket.
+Each request carries a ``seq`` that the rank's RESULT / ERROR / DONE echo,
+so the kernel can ignore replies to a request it gave up on. A set-up that
+fails is reported under the seq of the request waiting for it: the first
+request's, or 0 (a pool's start).
 
-Interrupts (interrupt.py): the kernel sends SIGINT to the rank's process,
-and repeats it until the rank answers, since a rank still reading the
-request is not yet listening. The cell gets one KeyboardInterrupt (reported
-as an error) and the rank waits for the next request; an idle rank ignores
-SIGINT. Output goes through capture.py, as in a one-shot run. Results and
-pulled values travel like one-shot results: large tensors and arrays through
-shared memory, under the prefix the request names.
+A rank's namespace, its device and everything torch_xla caches (compiled
+graphs) live as long as the rank. Interrupts (interrupt.py): SIGINT stops
+the cell of the request being answered and nothing else. Output goes
+through capture.py. Results and pulled values travel with large tensors
+and arrays in shared memory, under the prefix the request names.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from xla_magic import protocol, transport
 from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module
 
 _COMPILED_CELLS_KEPT = 64
+START_SEQ = 0  # the seq of a pool's start: every rank's ready answers it
 
 
 # --- the rank's side of shipping ----------------------------------------------
@@ -46,7 +48,7 @@ class ShippedValues:
     have been changed in place. Other values are kept as their pickle and
     loaded afresh for every cell, as if they had been shipped again: a cell
     that mutates one does not change what the next cell sees. Large tensors
-    and arrays in that pickle are segments the kernel holds for the pool
+    and arrays in that pickle are segments the kernel holds for these ranks
     (``held``): the rank opens each one once, while its name exists, and
     keeps the descriptor, so every load maps a fresh copy-on-write view of
     it long after the kernel unlinked the name.
@@ -134,11 +136,11 @@ class CompiledCells:
         return cell
 
 
-# --- the serving loop -------------------------------------------------------------
+# --- answering requests ------------------------------------------------------------
 
 
-class PoolRank:
-    """One rank's persistent state and its answers to the kernel's requests."""
+class RankServer:
+    """One rank's state and its answers to the kernel's requests."""
 
     def __init__(
         self,
@@ -146,58 +148,72 @@ class PoolRank:
         channel: protocol.Channel,
         streams: capture.RankStreams,
         rank_names: dict[str, Any],
+        closing: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
         self.channel = channel
         self.streams = streams
         self.rank_names = rank_names
+        self.closing = closing  # a one-shot rank's rendezvous after its cell, else None
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **rank_names}
         self.shipped = ShippedValues()
         self.cells = CompiledCells()
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None
+        self.children = lifetime.ChildWatch()
         self._filename = "<xla_pool>"
         self._results: transport.SegmentWriter | None = None
-
-    def serve(self) -> None:
-        """Answer requests until the kernel closes the socket."""
-        handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
+        self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
             protocol.PULL: self.pull,
         }
+
+    def serve(self) -> None:
+        """Answer requests until the kernel closes the socket."""
         while True:
             try:
-                kind, fields = self.channel.recv()
+                request = self.channel.recv()
             except OSError:
                 return
-            if kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
+            if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                 return
             try:
-                with interrupt.Request():
-                    self.answer(handlers.get(kind), kind, fields)
-            except KeyboardInterrupt:
-                pass  # arrived just as a cell ended: the request is answered
+                self.answer(request)
             except OSError:
                 return  # the kernel is gone
 
-    def answer(self, handler: Callable[[dict[str, Any]], bytes | None] | None, kind: str, fields: dict[str, Any]) -> None:
+    def answer(self, request: protocol.Event) -> bool:
+        """Answer one request (interrupts stop its cell only); True when it succeeded."""
+        try:
+            with interrupt.Request():
+                return self._answer(request)
+        except KeyboardInterrupt:
+            return False  # arrived just as the request ended: it is answered
+
+    def _answer(self, request: protocol.Event) -> bool:
+        kind, fields = request
         seq = fields.get("seq")
         started = time.monotonic()
+        ok = False
         try:
+            handler = self._handlers.get(kind)
             if handler is None:
-                raise ValueError(f"a pool rank does not know the request {kind!r}")
+                raise ValueError(f"a rank does not know the request {kind!r}")
             reply = handler(fields)
+            ok = True
         except BaseException as exc:  # the user's code may raise anything at all
-            reply = self._error_frame(seq, exc, with_traceback=kind == protocol.CELL)
+            reply = self.error_frame(seq, exc, with_traceback=kind == protocol.CELL)
         self.finish(seq, reply, started)
+        return ok
 
     def finish(self, seq: Any, reply: bytes | None, started: float) -> None:
-        """Flush the rank's output, then send the reply and DONE in one write.
+        """End what the request started, flush the rank's output, then send the reply and DONE in one write.
 
         The output sockets are written before DONE is, so by the time the
-        kernel reads DONE every byte of the cell's output is there to read.
+        kernel reads DONE every byte of the request's output is there to read.
         """
+        self.children.end_new()
         self.flush_output()
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started)
         with self.channel.lock:
@@ -211,6 +227,7 @@ class PoolRank:
 
     def run_cell(self, fields: dict[str, Any]) -> bytes:
         seq = fields["seq"]
+        self.children.note_existing()
         plain, objects = self.shipped.values_for(fields)
         self.namespace.update(plain)
         if objects:
@@ -225,6 +242,8 @@ class PoolRank:
             with interrupt.Cell():
                 exec(body, self.namespace)
                 value = eval(last, self.namespace) if last is not None else None
+            if self.closing is not None:
+                self.closing()
         finally:
             if memory is not None:
                 memory.stop()
@@ -252,14 +271,14 @@ class PoolRank:
         return protocol.encode(kind, seq=fields["seq"], **reply)
 
     def _results_writer(self, prefix: str | None) -> transport.SegmentWriter | None:
-        """The writer for the kernel's results prefix (the same for the pool's life)."""
+        """The writer for the kernel's results prefix (the same for the ranks' life)."""
         if prefix is None:
             return None
         if self._results is None or self._results.prefix != prefix:
             self._results = transport.SegmentWriter(prefix, f"r{self.rank}")
         return self._results
 
-    def _error_frame(self, seq: Any, exc: BaseException, with_traceback: bool) -> bytes:
+    def error_frame(self, seq: Any, exc: BaseException, with_traceback: bool) -> bytes:
         """An ERROR; the traceback only for a cell's error (from its first frame on)."""
         self.flush_output()
         return protocol.encode(
@@ -271,12 +290,21 @@ class PoolRank:
         )
 
 
-def serve(rank: int, sockets: rank_module.RankSockets, setup: Callable[[], dict[str, Any]]) -> bool:
-    """The whole life of a pool rank: set up once, then answer requests.
+# --- a rank's whole life -------------------------------------------------------------
 
-    Says ready with STATUS (its pid, and whether it is a thread) and DONE
-    under ``seq`` 0, or ERROR and DONE when ``setup`` fails. False when it
-    could not start.
+
+def serve(
+    rank: int,
+    sockets: rank_module.RankSockets,
+    setup: Callable[[], dict[str, Any]],
+    first: bytes | None = None,
+    closing: Callable[[], None] | None = None,
+) -> bool:
+    """Set up once, then answer requests; False when the rank could not start or its request failed.
+
+    With ``first`` (a one-shot rank) the rank answers that request, which
+    came with its job, and leaves; ``closing`` is the rendezvous its cell
+    ends with. Without, it serves until the kernel closes its socket.
     """
     streams = capture.RankStreams(rank, sockets.out, sockets.err)
     capture.attach(streams)
@@ -284,22 +312,43 @@ def serve(rank: int, sockets: rank_module.RankSockets, setup: Callable[[], dict[
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
+        lifetime.become_subreaper()  # what a request starts stays ours to end (see lifetime.ChildWatch)
+    request = _decode(first) if first is not None else None
+    waiting_seq = request.fields.get("seq") if request is not None else START_SEQ
     started = time.monotonic()
+    server: RankServer | None = None
     try:
-        rank_names = setup()
-        server = PoolRank(rank, channel, streams, rank_names)
-    except BaseException as exc:  # anything from the runtime's start
-        streams.flush()
-        channel.send(protocol.ERROR, seq=0, type=type(exc).__name__, message=rank_module.exception_message(exc),
-                     traceback=rank_module.format_error(exc, "<xla_pool start>"))
-        channel.send(protocol.DONE, seq=0, seconds=time.monotonic() - started)
-        return False
-    channel.send(protocol.STATUS, seq=0, state="ready", pid=os.getpid(), thread=thread,
-                 memory=rank_module.device_memory(server.device) if server.reports_memory else None)
-    server.finish(0, None, started)
-    try:
+        # One stretch for set-up and a one-shot rank's request: an interrupt
+        # during set-up means its cell does not run.
+        with interrupt.Request():
+            try:
+                rank_names = setup()
+                server = RankServer(rank, channel, streams, rank_names, closing if request is not None else None)
+            except BaseException as exc:  # anything from the runtime's start
+                streams.flush()
+                channel.send(protocol.ERROR, seq=waiting_seq, type=type(exc).__name__,
+                             message=rank_module.exception_message(exc),
+                             traceback=rank_module.format_error(exc, "<xla_magic rank start>"))
+                channel.send(protocol.DONE, seq=waiting_seq, seconds=time.monotonic() - started)
+                return False
+            channel.send(protocol.STATUS, state="ready", pid=os.getpid(), thread=thread,
+                         memory=rank_module.device_memory(server.device) if server.reports_memory else None)
+            if request is not None:
+                return server._answer(request)
+            server.finish(START_SEQ, None, started)
         server.serve()
+        return True
+    except KeyboardInterrupt:
+        return False  # arrived just as the request ended: it is answered
     finally:
-        server.shipped.close()
-        server.flush_output()
-    return True
+        if server is not None:
+            server.shipped.close()
+            server.flush_output()
+        capture.flush_all()
+
+
+def _decode(frame: bytes) -> protocol.Event:
+    events = protocol.FrameReader().feed(frame)
+    if len(events) != 1:
+        return protocol.Event(protocol.BROKEN, {"reason": "the job's request is not one frame"})
+    return events[0]

@@ -1,0 +1,350 @@
+"""A live set of ranks: one launcher job, its sockets and processes. Runs in the kernel.
+
+A one-shot cell's ranks and a pool's are the same thing with one policy
+apart, ``keep``: a one-shot set is launched with its one request and
+stopped when that request ends; a kept set (the pool) serves request after
+request and keeps its ranks' namespaces, devices and compiled graphs.
+
+The kernel makes a private socket pair per rank and stream (events,
+stdout, stderr) and one for the supervisor, and hands the far ends to the
+launcher with the job; nothing listens on a port. The set owns what lasts
+as long as its ranks: those sockets, the gloo store directory, the held
+shared memory and the results prefix (see shipping.py).
+
+``state`` is one of starting, ready, running, broken, stopped. A broken set
+cannot serve again, and says why (``problem``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import termios
+import time
+from IPython.core.error import UsageError
+
+from xla_magic import probe, protocol, transport
+from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
+from xla_magic.shipping import Shipping
+
+RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
+STOP_WAIT = 5.0  # how long the ranks get to leave after the kernel closes their sockets
+
+
+def signal_name(code: int | None) -> str:
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+SIGNAL_HINTS = {
+    "SIGKILL": "killed; usually the host ran out of memory (every rank holds its own copy of what it loads)",
+    "SIGSEGV": "a native crash (segmentation fault) in C/C++ code",
+    "SIGABRT": "aborted by native code (a failed check in the runtime)",
+    "SIGBUS": "a bus error; /dev/shm may be full",
+    "SIGTERM": "terminated",
+}
+
+
+def describe_exit(code: int | None) -> str:
+    name = signal_name(code)
+    hint = SIGNAL_HINTS.get(name)
+    return f"{name}: {hint}" if hint else name
+
+
+class Conn:
+    """One socket of the set that the kernel reads."""
+
+    def __init__(self, sock: socket.socket, rank: int | None, kind: str) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.kind = kind  # "events", "stdout", "stderr" or "supervisor"
+        self.reader = protocol.FrameReader() if kind in ("events", "supervisor") else None
+        sock.setblocking(False)
+
+    def receive(self) -> bytes | None:
+        """What the socket holds now: b"" once it closed, None if nothing yet."""
+        try:
+            return self.sock.recv(1 << 20)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
+
+    def bytes_waiting(self) -> int:
+        """How many bytes it holds unread; 1 when it cannot say, so that a read finds out."""
+        if self.sock.fileno() < 0:
+            return 0
+        try:
+            return int.from_bytes(fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), sys.byteorder) or 0
+        except OSError:
+            return 1
+
+
+class Ranks:
+    """The kernel's handle on one launcher job's ranks."""
+
+    def __init__(self, placement: probe.Placement, keep: bool, requested_backend: str, workdir: PrivateDir) -> None:
+        self.backend = placement.backend
+        self.devices = placement.devices
+        self.cpu_threads = placement.cpu_threads
+        self.keep = keep
+        self.requested_backend = requested_backend
+        self.workdir = workdir
+        self.state = "starting"
+        self.problem: str | None = None
+        self._problem_is_a_guess = False
+        self.launcher: Launcher | None = None
+        self.supervisor: Conn | None = None
+        self.events: list[Conn] = []
+        self.outputs: list[Conn] = []
+        self.selector = selectors.DefaultSelector()  # every socket of the set, for its whole life
+        self.supervisor_pid: int | None = None
+        self.pids: dict[int, int] = {}  # rank -> its process (rank threads share one)
+        self.thread_ranks: set[int] = set()  # ranks that are threads of a shared process
+        self.ended = False  # the supervisor said ENDED or closed its socket
+        self.started = time.time()
+        self.start_seconds: float | None = None
+        self.cells = 0
+        self.shipping = Shipping()
+        self.results = transport.RunSegments()  # where ranks put large results and pulled values
+        self.store: str | None = None  # the gloo store's directory, for the set's life
+        self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
+        self._seq = 0
+
+    # -- starting --------------------------------------------------------
+
+    def launch(self, launcher: Launcher, run_id: int, first: bytes | None) -> None:
+        """Hand the job to the launcher: with ``first``, the one request of a one-shot set.
+
+        If that fails, nothing of the set is left (sockets, store, memory).
+        """
+        self.launcher = launcher
+        theirs: list[socket.socket] = []
+        try:
+            theirs = self._open_sockets()
+            self.store = self.workdir.new(f"store-{run_id}-")
+            job = {
+                "run_id": run_id,
+                "store": self.store,
+                "backend": self.backend,
+                "cpu_threads": self.cpu_threads,
+                "first": first,
+            }
+            self.supervisor_pid = launcher.submit(job, [sock.fileno() for sock in theirs])
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            for sock in theirs:
+                sock.close()
+
+    def _open_sockets(self) -> list[socket.socket]:
+        """Make the socket pairs, watched by the set's selector; the ends the job hands over."""
+        theirs: list[socket.socket] = []
+        ours, remote = socket.socketpair()
+        self.supervisor = Conn(ours, None, "supervisor")
+        self.selector.register(ours, selectors.EVENT_READ, self.supervisor)
+        theirs.append(remote)
+        for rank in range(self.devices):
+            for kind in ("events", "stdout", "stderr"):
+                ours, remote = socket.socketpair()
+                conn = Conn(ours, rank, kind)
+                (self.events if kind == "events" else self.outputs).append(conn)
+                self.selector.register(ours, selectors.EVENT_READ, conn)
+                theirs.append(remote)
+        return theirs
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- talking to the ranks --------------------------------------------
+
+    def send(self, rank: int, frame: bytes) -> None:
+        """Write one request on a rank's events socket (OSError: the rank is gone).
+
+        Whatever stops it part-way (an interrupt, a rank that stopped reading)
+        leaves a partial frame the rank cannot read past: the set is broken.
+        """
+        sock = self.events[rank].sock
+        sent = 0
+        try:
+            try:
+                sent = sock.send(frame)
+            except BlockingIOError:
+                pass
+            if sent < len(frame):
+                sock.settimeout(READY_TIMEOUT)  # a large request: let the rank read it
+                try:
+                    rest = memoryview(frame)[sent:]
+                    while rest:
+                        written = sock.send(rest)
+                        sent += written
+                        rest = rest[written:]
+                finally:
+                    sock.setblocking(False)
+        except BaseException as exc:
+            if 0 < sent < len(frame):
+                self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(exc).__name__})")
+            raise
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to the processes of ``ranks`` (threads of one process share it).
+
+        SIGCONT with it: a rank stopped by SIGSTOP could not take it otherwise.
+        """
+        for pid in {self.pids[rank] for rank in ranks if rank in self.pids}:
+            for sig in (signal.SIGINT, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def signal_group(self, sig: int) -> bool:
+        """``sig`` to every process of the set (one process group); False when none is left."""
+        if self.supervisor_pid is None:
+            return False
+        try:
+            os.killpg(self.supervisor_pid, sig)
+            if sig != signal.SIGKILL:
+                os.killpg(self.supervisor_pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def kill(self) -> None:
+        self.signal_group(signal.SIGKILL)
+
+    # -- state -------------------------------------------------------------
+
+    def mark_broken(self, reason: str, guess: bool = False) -> None:
+        """Note that the set cannot serve again, and why.
+
+        A ``guess`` (a socket closed) gives way to a better word on the same
+        death (an exit code, the launcher's end), which tends to arrive just after.
+        """
+        if self.state == "stopped":
+            return
+        self.state = "broken"
+        if self.problem is None or (self._problem_is_a_guess and not guess):
+            self.problem = reason
+            self._problem_is_a_guess = guess
+
+    def launcher_death(self) -> str | None:
+        """How the launcher ended, if it has: the cause of everything else ending."""
+        launcher = self.launcher
+        if launcher is None or launcher.alive():
+            return None
+        return (f"the launcher process died ({describe_exit(launcher.process.returncode)}), and its ranks "
+                f"with it; the next cell starts a new launcher")
+
+    def check_usable(self) -> None:
+        if self.state == "broken":
+            raise UsageError(
+                f"the pool is broken ({self.problem}). {RESTART_HINT}; %xla_pool stop goes back "
+                f"to one-shot ranks; --fresh runs this cell in newly spawned ranks."
+            )
+
+    def check_fits(self, devices: int | None, backend: str) -> None:
+        """A cell's --devices / --backend must agree with the running pool."""
+        if devices is not None and devices != self.devices:
+            raise UsageError(
+                f"a pool of {self.devices} ranks is running, so --devices {devices} contradicts it. "
+                f"Leave --devices out to run in the pool, add --fresh to run in {devices} newly "
+                f"spawned ranks, or use %xla_pool restart --devices {devices} to replace the pool."
+            )
+        if backend != "auto" and backend != self.backend:
+            raise UsageError(
+                f"the running pool uses the {self.backend} backend, so --backend {backend} contradicts "
+                f"it. Leave --backend out, add --fresh, or use %xla_pool restart --backend {backend}."
+            )
+
+    def check_fresh_allowed(self) -> None:
+        """On a TPU host the pool's ranks hold the chips, so fresh ranks could not open them."""
+        if self.backend == "tpu" and not self.cpu_threads and self.state != "broken":
+            raise UsageError(
+                "the pool's ranks hold this host's TPU chips, so --fresh ranks could not use them. "
+                "Run the cell in the pool (leave --fresh out), or %xla_pool stop first."
+            )
+
+    # -- stopping -------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the ranks: close their sockets (they leave their loop), then make sure.
+
+        Ranks that left by themselves (a one-shot set) are only waited for.
+        """
+        if self.state == "stopped":
+            return
+        self.selector.close()
+        for conn in self.events + self.outputs:
+            conn.sock.close()
+        try:
+            if self.state != "broken" and self.supervisor_pid is not None:
+                self._wait_for_supervisor(STOP_WAIT)
+        finally:
+            self.kill()
+            if self.supervisor is not None:
+                self.supervisor.sock.close()
+            self.release_memory()
+            if self.store is not None:
+                shutil.rmtree(self.store, ignore_errors=True)
+            self.state = "stopped"
+
+    def release_memory(self) -> None:
+        """Drop the shared memory of the set: held values, results not taken."""
+        try:
+            self.shipping.held.release()
+        finally:
+            self.results.sweep()
+
+    def _wait_for_supervisor(self, timeout: float) -> None:
+        """Until the supervisor, which outlives every rank and what they started, says ENDED or goes."""
+        supervisor = self.supervisor
+        if supervisor is None or supervisor.sock.fileno() < 0 or self.ended:
+            return
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(supervisor.sock, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not selector.select(max(0.0, deadline - time.monotonic())):
+                    continue
+                data = supervisor.receive()
+                if not data:
+                    if data is None:
+                        continue
+                    return
+                if any(event.kind in (protocol.ENDED, protocol.BROKEN) for event in supervisor.reader.feed(data)):
+                    return
+
+    # -- showing ---------------------------------------------------------------
+
+    def describe(self) -> str:
+        where = f"{self.devices} ranks on the {self.backend} backend"
+        if self.cpu_threads:
+            where += " (threads on the CPU)"
+        elif self.backend == "cpu":
+            where += " (simulated devices)"
+        if self.state == "stopped":
+            return f"stopped ({where})"
+        if self.state == "broken":
+            return f"broken: {self.problem}. {RESTART_HINT}"
+        uptime = time.time() - self.started
+        pids = ", ".join(str(pid) for pid in sorted(set(self.pids.values())))
+        return (
+            f"{self.state}: {where}, up {uptime:.0f} s, {self.cells} cell(s) run; "
+            f"rank processes {pids or 'unknown'}"
+        )
