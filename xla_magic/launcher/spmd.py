@@ -137,13 +137,14 @@ def describe_sharding(tensor: torch.Tensor, mesh: Any = None) -> dict[str, Any]:
     compiles), as printing it would.
 
     The keys: ``shape``, ``dtype``, ``itemsize``, ``devices`` (how many),
-    ``spec`` (XLA's sharding string), ``replicated`` (every device holds all
-    of it), ``ranges`` (per dimension, the ``[start, stop]`` of each block
-    along it; a block a device holds only padding of is empty), ``grid``
-    (nested lists, one level per dimension, of the device ids holding each
-    block), ``mesh_shape`` and ``axis_names`` (None without a mesh), and
-    ``partition`` (per dimension, the mesh axes sharding it; None when
-    unknown).
+    ``platform`` ("CPU", "TPU"), ``spec`` (XLA's sharding string),
+    ``replicated`` (every device holds all of it), ``ranges`` (per
+    dimension, the ``[start, stop]`` of each block along it; a block that a
+    device holds only padding of is empty), ``grid`` (nested lists, one
+    level per dimension, of the device ids holding each block),
+    ``mesh_shape`` and ``axis_names`` (None without a mesh), and
+    ``partition`` (per dimension, the mesh axes sharding it, major first;
+    None when the mesh does not explain the layout).
     """
     import torch_xla
     import torch_xla.runtime as xr
@@ -172,6 +173,7 @@ def describe_sharding(tensor: torch.Tensor, mesh: Any = None) -> dict[str, Any]:
         "dtype": str(inner.dtype).removeprefix("torch."),
         "itemsize": inner.element_size(),
         "devices": devices,
+        "platform": xr.device_type() or "XLA",
         "spec": spec or "{replicated}",
         "replicated": all(len(set(dim_ranges)) == 1 for dim_ranges in ranges),
         "ranges": [[list(piece) for piece in dim_ranges] for dim_ranges in ranges],
