@@ -109,9 +109,12 @@ t = torch.arange(64.0).reshape(8, 8).to(device)
 wrapped = xs.mark_sharding(t, mesh, ("data", "model"))
 facts["tiled"] = spmd.describe_sharding(t)
 facts["tiled_wrapper"] = spmd.describe_sharding(wrapped)
-back = rank_module.dump_result({"t": spmd.whole_on_cpu(wrapped)})
 import pickle
-facts["wrapper_back_whole"] = torch.equal(pickle.loads(back)["t"], torch.arange(64.0).reshape(8, 8))
+expected = torch.arange(64.0).reshape(8, 8)
+back = rank_module.dump_result({"t": spmd.whole_on_cpu(wrapped)})
+facts["wrapper_back_whole"] = torch.equal(pickle.loads(back)["t"], expected)
+# The tensor mark_sharding annotated in place: the result path as it is brings it back whole.
+facts["annotated_back_whole"] = torch.equal(pickle.loads(rank_module.dump_result(t)), expected)
 
 rows = torch.ones(8, 4).to(device)
 xs.mark_sharding(rows, mesh, ("data", None))
@@ -162,8 +165,9 @@ def test_a_sharded_matmul_equals_the_cpu_matmul_and_comes_back_whole(mesh_4_2):
     assert matmul["max_error"] < 1e-5
 
 
-def test_mark_shardings_wrapper_comes_back_whole_through_the_result_pickler(mesh_4_2):
-    assert mesh_4_2["wrapper_back_whole"] is True
+def test_sharded_tensors_come_back_whole_through_the_result_pickler(mesh_4_2):
+    assert mesh_4_2["annotated_back_whole"] is True
+    assert mesh_4_2["wrapper_back_whole"] is True  # mark_sharding's XLAShardedTensor, through whole_on_cpu
 
 
 def test_describe_a_tensor_sharded_over_data_and_model(mesh_4_2):
