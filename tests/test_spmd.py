@@ -508,7 +508,8 @@ def test_html_picture_escapes_what_it_shows():
 def test_html_widths_follow_the_block_sizes():
     text = sharding.render_html(UNEVEN)
     widths = [int(part.split("%")[0]) for part in text.split('<col style="width: ')[1:]]
-    assert widths[0] == widths[1] > widths[2] > 0 and widths[3] > 0  # padding-only keeps a visible sliver
+    assert widths[0] == widths[1] > widths[2] >= widths[3] > 0  # a padding-only block keeps room for its label
+    assert "<b>CPU 6-7</b><br><small>padding</small>" in text
 
 
 def test_show_displays_html_in_a_notebook_and_text_elsewhere():

@@ -233,23 +233,26 @@ def render_html(description: Mapping[str, Any], width_px: int = 480) -> str:
 
 
 def _html_table(panel: _Panel, description: Mapping[str, Any], platform: str, width_px: int) -> str:
-    columns = _proportional(panel.columns, 100, [4] * len(panel.columns))
+    # Every block keeps room for its label, even one holding only padding.
+    narrowest = min(12, 100 // len(panel.columns))
+    columns = _proportional(panel.columns, 100, [narrowest] * len(panel.columns))
     heights = _proportional(panel.rows, 36 * len(panel.rows), [24] * len(panel.rows), ceiling=120)
     out = [
-        f'<table style="border-collapse: collapse; table-layout: fixed; width: {width_px}px">',
+        f'<table style="border-collapse: collapse; table-layout: fixed; width: {width_px}px; font-size: 12px">',
         "<colgroup>" + "".join(f'<col style="width: {share}%">' for share in columns) + "</colgroup>",
     ]
     for row, height in zip(panel.blocks, heights):
         out.append(f'<tr style="height: {height}px">')
         for block in row:
             label = html.escape(_device_label(block.devices, description["devices"], platform))
-            where = html.escape(_where(block.ranges))
+            where = html.escape(f"[{_where(block.ranges)}]")
+            shown = "padding" if _shape_label(block.ranges) == "padding" else where
             colour = PALETTE[min(block.devices) % len(PALETTE)] if block.devices else "#ffffff"
             out.append(
-                f'<td title="{html.escape(_device_list(block.devices, platform))}: [{where}]" '
+                f'<td title="{html.escape(_device_list(block.devices, platform))}: {where}" '
                 f'style="background: {colour}; color: #222; border: 2px solid #fff; text-align: center; '
                 f'vertical-align: middle; padding: 2px; overflow: hidden; white-space: nowrap">'
-                f"<b>{label}</b><br><small>{where}</small></td>"
+                f"<b>{label}</b><br><small>{shown}</small></td>"
             )
         out.append("</tr>")
     out.append("</table>")

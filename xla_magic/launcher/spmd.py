@@ -146,26 +146,13 @@ def describe_sharding(tensor: torch.Tensor, mesh: Any = None) -> dict[str, Any]:
     ``partition`` (per dimension, the mesh axes sharding it, major first;
     None when the mesh does not explain the layout).
     """
-    import torch_xla
     import torch_xla.runtime as xr
 
-    inner = _global_tensor(tensor)
-    if not isinstance(inner, torch.Tensor) or inner.device.type != "xla":
-        where = inner.device.type if isinstance(inner, torch.Tensor) else type(inner).__name__
-        raise TypeError(f"describe_sharding takes an XLA tensor, not one on {where}; move it with .to(device)")
-    spec = torch_xla._XLAC._get_xla_sharding_spec(inner)
-    if not spec:  # maybe pending: its sharding is known once it is computed
-        torch_xla._XLAC._xla_sync_multi([inner], devices=[], wait=True)
-        spec = torch_xla._XLAC._get_xla_sharding_spec(inner)
+    inner = _xla_tensor(tensor)
+    spec = _sharding_spec(inner)
     devices = xr.global_runtime_device_count()
     shape = tuple(inner.shape)
-    regions = _regions(inner, spec, shape, devices)
-    ranges = [sorted({region[dim] for region in regions}) for dim in range(len(shape))]
-    where = {
-        device: tuple(ranges[dim].index(region[dim]) for dim in range(len(shape)))
-        for device, region in enumerate(regions)
-    }
-    grid = _grid(where, [len(dim_ranges) for dim_ranges in ranges])
+    ranges, where = _layout(_regions(inner, spec, shape, devices))
     if mesh is None:
         mesh = _global_mesh()
     return {
@@ -175,16 +162,49 @@ def describe_sharding(tensor: torch.Tensor, mesh: Any = None) -> dict[str, Any]:
         "devices": devices,
         "platform": xr.device_type() or "XLA",
         "spec": spec or "{replicated}",
-        "replicated": all(len(set(dim_ranges)) == 1 for dim_ranges in ranges),
-        "ranges": [[list(piece) for piece in dim_ranges] for dim_ranges in ranges],
-        "grid": grid,
+        "replicated": all(len(pieces) == 1 for pieces in ranges),
+        "ranges": [[list(piece) for piece in pieces] for pieces in ranges],
+        "grid": _grid(where, [len(pieces) for pieces in ranges]),
         "mesh_shape": None if mesh is None else [int(size) for size in mesh.mesh_shape],
         "axis_names": None if mesh is None or mesh.axis_names is None else list(mesh.axis_names),
         "partition": None if mesh is None else _partition(where, mesh, len(shape)),
     }
 
 
-def _regions(inner: torch.Tensor, spec: str, shape: tuple[int, ...], devices: int) -> list[tuple[tuple[int, int], ...]]:
+def _xla_tensor(tensor: Any) -> torch.Tensor:
+    inner = _global_tensor(tensor)
+    if not isinstance(inner, torch.Tensor) or inner.device.type != "xla":
+        where = f"one on {inner.device.type}" if isinstance(inner, torch.Tensor) else f"a {type(inner).__name__}"
+        raise TypeError(f"describe_sharding takes an XLA tensor, not {where}; move it with .to(device)")
+    return inner
+
+
+def _sharding_spec(inner: torch.Tensor) -> str:
+    """XLA's sharding string for ``inner``; empty when it carries none (replicated)."""
+    import torch_xla
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec(inner)
+    if not spec:  # maybe pending: its sharding is known once it is computed
+        torch_xla._XLAC._xla_sync_multi([inner], devices=[], wait=True)
+        spec = torch_xla._XLAC._get_xla_sharding_spec(inner)
+    return spec
+
+
+Region = tuple[tuple[int, int], ...]  # (start, stop) along each dimension
+
+
+def _layout(regions: list[Region]) -> tuple[list[list[tuple[int, int]]], dict[int, tuple[int, ...]]]:
+    """The distinct blocks along each dimension, and the block index of each device."""
+    dimensions = len(regions[0]) if regions else 0
+    ranges = [sorted({region[dim] for region in regions}) for dim in range(dimensions)]
+    where = {
+        device: tuple(ranges[dim].index(region[dim]) for dim in range(dimensions))
+        for device, region in enumerate(regions)
+    }
+    return ranges, where
+
+
+def _regions(inner: torch.Tensor, spec: str, shape: tuple[int, ...], devices: int) -> list[Region]:
     """Per device id, the (start, stop) it holds along each dimension."""
     import torch_xla
 
