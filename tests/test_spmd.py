@@ -523,3 +523,17 @@ def test_show_displays_html_in_a_notebook_and_text_elsewhere():
 def test_a_view_of_something_else_says_what_it_takes():
     with pytest.raises(TypeError, match="describe_sharding"):
         sharding.ShardingView({"shape": [2]})
+
+
+def test_many_blocks_across_are_drawn_with_bare_device_ids():
+    wide = dict(
+        TILED, shape=[64], devices=64, ranges=[[[i, i + 1] for i in range(64)]], grid=[[i] for i in range(64)],
+        mesh_shape=[64], axis_names=["data"], partition=[["data"]],
+    )
+    assert box_rows(repr(sharding.ShardingView(wide))) == [[f"{i} / 1" for i in range(64)]]
+    assert "width: 3072px" in sharding.render_html(wide)  # wider, not illegible
+
+
+def test_a_description_is_recognised_among_other_values():
+    assert sharding.is_description(TILED) and sharding.is_description(CUBE)
+    assert not sharding.is_description({"shape": [2]}) and not sharding.is_description([TILED])

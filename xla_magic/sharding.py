@@ -135,6 +135,11 @@ PALETTE = (
 _KEYS = ("shape", "dtype", "devices", "ranges", "grid")
 
 
+def is_description(value: Any) -> bool:
+    """Whether ``value`` looks like what ``describe_sharding`` returns (so it can be drawn)."""
+    return isinstance(value, Mapping) and all(key in value for key in _KEYS)
+
+
 @dataclass
 class _Block:
     devices: list[int]
@@ -158,7 +163,7 @@ class ShardingView:
     """
 
     def __init__(self, description: Mapping[str, Any]) -> None:
-        if not isinstance(description, Mapping) or any(key not in description for key in _KEYS):
+        if not is_description(description):
             raise TypeError(
                 "ShardingView takes the dict describe_sharding(tensor) returns, with the keys "
                 + ", ".join(_KEYS)
@@ -206,10 +211,11 @@ def summary(description: Mapping[str, Any]) -> str:
 def render_text(description: Mapping[str, Any], width: int = 64) -> str:
     """Box-drawing text: a row of boxes per row of blocks, widths and heights in proportion."""
     lines = [summary(description)]
-    platform = description.get("platform", "")
     for panel in _panels(description):
         if panel.title:
             lines.append(panel.title)
+        # Many blocks across: bare device ids, so the picture stays a screen wide as long as it can.
+        platform = description.get("platform", "") if len(panel.columns) <= 8 else ""
         labels = [[_device_label(block.devices, description["devices"], platform) for block in row] for row in panel.blocks]
         widths = _proportional(panel.columns, width, [max(len(label) for label in column) + 2 for column in zip(*labels)])
         heights = _proportional(panel.rows, max(2 * len(panel.rows), 4), [1] * len(panel.rows), ceiling=6)
@@ -237,6 +243,7 @@ def _html_table(panel: _Panel, description: Mapping[str, Any], platform: str, wi
     narrowest = min(12, 100 // len(panel.columns))
     columns = _proportional(panel.columns, 100, [narrowest] * len(panel.columns))
     heights = _proportional(panel.rows, 36 * len(panel.rows), [24] * len(panel.rows), ceiling=120)
+    width_px = max(width_px, 48 * len(panel.columns))  # many blocks across: wider, not illegible
     out = [
         f'<table style="border-collapse: collapse; table-layout: fixed; width: {width_px}px; font-size: 12px">',
         "<colgroup>" + "".join(f'<col style="width: {share}%">' for share in columns) + "</colgroup>",

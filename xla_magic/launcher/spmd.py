@@ -102,8 +102,8 @@ def _make_use_spmd_idempotent(xr: Any) -> None:
     @functools.wraps(original)
     def use_spmd(auto: bool | None = False) -> None:
         if auto or not xr.is_spmd():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
+            with warnings.catch_warnings():  # the variable is ours, not the user's
+                warnings.filterwarnings("ignore", message="XLA_USE_SPMD is being deprecated")
                 original(auto)
 
     xr.use_spmd = use_spmd
