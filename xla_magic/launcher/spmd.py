@@ -69,7 +69,7 @@ def setup(
     found = xr.global_runtime_device_count()
     if found != devices:
         raise RuntimeError(
-            f"SPMD was asked for {devices} devices but the runtime has {found}; "
+            f"SPMD was asked for {devices} device{'s' * (devices != 1)} but the runtime has {found}; "
             f"SPMD drives every device the process sees, so ask for {found}."
         )
     if int(np.prod(shape)) != devices:
