@@ -229,6 +229,11 @@ try:
     spmd.setup(4, None, None)
 except RuntimeError as exc:
     facts["wrong_count"] = str(exc)
+for shape, names in (((4, 4), None), ((2, 2, 2), None), ((4, 2), ("data",))):
+    try:
+        spmd.setup(8, shape, names)
+    except ValueError as exc:
+        facts.setdefault("bad_layouts", []).append(str(exc))
 """
 
 
@@ -237,6 +242,11 @@ def test_the_default_mesh_is_one_data_axis_over_every_device():
     assert facts["mesh"] == {"shape": [DEVICES], "axes": ["data"], "is_global": True}
     assert facts["world_size"] == DEVICES
     assert "asked for 4 devices but the runtime has 8" in facts["wrong_count"]
+    assert facts["bad_layouts"] == [
+        "a mesh of shape (4, 4) holds 16 devices, not 8",
+        "a mesh of shape (2, 2, 2) needs axis names",
+        "1 axis names ('data',) for a mesh of 2 axes (4, 2)",
+    ]
 
 
 # FSDPv2 as torch_xla's docs use it: shard the input over "fsdp", wrap the

@@ -64,6 +64,8 @@ def setup(
 
     shape = (devices,) if mesh_shape is None else tuple(mesh_shape)
     names = _axis_names(shape, axis_names)
+    if int(np.prod(shape)) != devices:
+        raise ValueError(f"a mesh of shape {shape} holds {int(np.prod(shape))} devices, not {devices}")
     xr.use_spmd()
     _make_use_spmd_idempotent(xr)
     found = xr.global_runtime_device_count()
@@ -72,8 +74,6 @@ def setup(
             f"SPMD was asked for {devices} device{'s' * (devices != 1)} but the runtime has {found}; "
             f"SPMD drives every device the process sees, so ask for {found}."
         )
-    if int(np.prod(shape)) != devices:
-        raise ValueError(f"a mesh of shape {shape} holds {int(np.prod(shape))} devices, not {devices}")
     mesh = xs.Mesh(np.arange(devices), shape, names)
     xs.set_global_mesh(mesh)
     return {"device": torch_xla.device(), "mesh": mesh, "world_size": devices, "rank": 0}
