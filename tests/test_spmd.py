@@ -327,6 +327,13 @@ def test_environment_for_each_placement():
 # --- the kernel side: --mesh and --axes ----------------------------------------------
 
 
+def test_both_sides_default_the_same_axis_names():
+    # The kernel resolves --axes; setup's own defaults (for a caller that gives none) must agree.
+    from xla_magic.launcher import spmd
+
+    assert spmd.DEFAULT_AXES == sharding.DEFAULT_AXES
+
+
 @pytest.mark.parametrize(
     "mesh, axes, layout",
     [

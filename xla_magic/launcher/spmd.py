@@ -25,7 +25,8 @@ import torch
 # The wrapper mark_sharding returns; its module is only loaded once SPMD code ran.
 _SHARDED_TENSOR_MODULE = "torch_xla.distributed.spmd.xla_sharded_tensor"
 
-# torch_xla's SPMD guide names the axes of a 2-D mesh ("data", "model").
+# torch_xla's SPMD guide names the axes of a 2-D mesh ("data", "model"); the kernel's
+# xla_magic.sharding.DEFAULT_AXES says the same (tests/test_spmd.py checks).
 DEFAULT_AXES = {1: ("data",), 2: ("data", "model")}
 
 
