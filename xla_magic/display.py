@@ -247,8 +247,8 @@ class RankError(Exception):
         self.results = results
         self.summary = summary
         ranks = ", ".join(str(f.rank) for f in self.failures)
-        first = self.failures[0].headline() if self.failures else summary
-        super().__init__(f"{summary or 'rank(s) ' + ranks + ' failed'}: {first}")
+        headline = summary or f"rank(s) {ranks} failed"
+        super().__init__(f"{headline}: {self.failures[0].headline()}" if self.failures else headline)
         if self.failures and self.failures[0].traceback:
             self.__cause__ = RemoteTraceback(self.failures[0].traceback)
 

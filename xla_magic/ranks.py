@@ -297,6 +297,7 @@ class Ranks:
                 self._wait_for_supervisor(STOP_WAIT)
         finally:
             self.kill()
+            self._wait_until_gone(self.supervisor_pid)
             if self.supervisor is not None:
                 self.supervisor.sock.close()
             self.release_memory()
@@ -329,6 +330,21 @@ class Ranks:
                     return
                 if any(event.kind in (protocol.ENDED, protocol.BROKEN) for event in supervisor.reader.feed(data)):
                     return
+
+    @staticmethod
+    def _wait_until_gone(pid: int | None, timeout: float = 2.0) -> None:
+        """Until the process has really exited (on a TPU host its end frees the chips)."""
+        if pid is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as stat:
+                    if stat.read().rpartition(b")")[2].split()[0] in (b"Z", b"X"):
+                        return
+            except (OSError, IndexError):
+                return
+            time.sleep(0.002)
 
     # -- showing ---------------------------------------------------------------
 

@@ -178,6 +178,22 @@ class ChildWatch:
         return [pid for pid in children(tid=self._tid) if pid not in self._before]
 
 
+_serving: str | None = None  # "one-shot" or "pool", once this process runs a rank's serve loop
+
+
+def serving_as(kind: str) -> None:
+    global _serving
+    _serving = kind
+
+
+def serving() -> bool:
+    return _serving is not None
+
+
+def one_shot() -> bool:
+    return _serving == "one-shot"
+
+
 def keep(pid: int) -> None:
     """Leave process ``pid`` (and what it starts) alive after the request that started it."""
     _kept.add(pid)

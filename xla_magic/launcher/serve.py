@@ -314,6 +314,7 @@ def serve(
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
         lifetime.become_subreaper()  # what a request starts stays ours to end (see lifetime.ChildWatch)
     request = _decode(first) if first is not None else None
+    lifetime.serving_as("one-shot" if request is not None else "pool")
     waiting_seq = request.fields.get("seq") if request is not None else START_SEQ
     started = time.monotonic()
     server: RankServer | None = None

@@ -1,0 +1,147 @@
+"""What a cell starts ends with it, unless it asks to keep it; a dead launcher is named as such.
+
+Real processes in a real shell: subprocesses, forks and daemons started by
+cells, a launcher killed with SIGKILL, a result whose loading raises SystemExit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from xla_magic.display import RankError
+from xla_magic.kernel_strategy import OutsideSpawnError
+
+ENDS_WITHIN = 30.0
+
+
+def pool_magic(ip, line: str) -> str:
+    with capture_output() as captured:
+        ip.run_line_magic("xla_pool", line)
+    return captured.stdout
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(alive(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+DETACHED = (
+    "import os, subprocess, time\n"
+    "helper = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+    "if os.fork() == 0:\n"  # a daemon: fork, setsid, fork again, the middle one exits
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(300)\n"
+    "    os._exit(0)\n"
+    "time.sleep(0.3)\n"
+    "me = os.getpid()\n"
+    "[p.pid for p in __import__('psutil').Process(me).children(recursive=True)]\n"
+)
+
+
+def test_everything_a_pool_request_starts_ends_with_the_request_and_the_pool_lives_on(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        started = time.monotonic()
+        run = spawn("", DETACHED)
+        assert time.monotonic() - started < ENDS_WITHIN
+        pids = [pid for per_rank in run.value for pid in per_rank]
+        assert len(pids) >= 4  # the helper and the daemon of each rank
+        assert wait_gone(pids), [pid for pid in pids if alive(pid)]
+        assert spawn("", "rank").value == [0, 1]
+    finally:
+        pool_magic(ip, "stop")
+
+
+def test_a_kept_helper_outlives_its_request_and_ends_with_the_pool(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        cell = ("import subprocess, xla_magic\n"
+                "helper = subprocess.Popen(['sleep', '300'])\n"
+                "xla_magic.keep(helper)\n"
+                "other = subprocess.Popen(['sleep', '300'])\n"
+                "(helper.pid, other.pid)")
+        run = spawn("", cell)
+        kept = [pair[0] for pair in run.value]
+        ended = [pair[1] for pair in run.value]
+        assert wait_gone(ended)
+        assert all(alive(pid) for pid in kept)
+        assert spawn("", "helper.poll() is None").value == [True, True]
+    finally:
+        pool_magic(ip, "stop")
+    assert wait_gone(kept)
+
+
+def test_keep_in_a_one_shot_cell_says_the_helper_still_ends_with_it(spawn):
+    run = spawn("--devices 1", "import subprocess, xla_magic\nxla_magic.keep(subprocess.Popen(['sleep', '300']))")
+    assert "still ends with this cell" in run.stderr
+    assert wait_gone(run.value)
+
+
+def test_keep_in_the_kernel_says_where_it_belongs():
+    import xla_magic
+
+    with pytest.raises(OutsideSpawnError, match="inside a %%xla_spawn cell"):
+        xla_magic.keep(os.getpid())
+    with pytest.raises(TypeError, match="Popen or a process id"):
+        xla_magic.keep("tensorboard")
+
+
+def test_a_result_whose_loading_raises_systemexit_names_the_rank(spawn):
+    cell = "class Leaving:\n    def __reduce__(self):\n        return (exit, (3,))\nLeaving() if rank == 1 else rank"
+    with pytest.raises(RankError, match=r"rank\(s\) 1 failed.*SystemExit.*could not load rank 1's result") as info:
+        spawn("--devices 2", cell)
+    assert info.value.results == {0: 0}
+    assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+def kill_launcher_after(ip, seconds: float) -> None:
+    pid = ip._xla_magic_session.ready_launcher().pid
+    threading.Timer(seconds, os.kill, (pid, signal.SIGKILL)).start()
+
+
+def test_a_launcher_killed_mid_cell_is_named_and_the_next_cell_recovers(ip, spawn):
+    kill_launcher_after(ip, 1.0)
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn("--devices 2", "import time\nprint('working', flush=True)\ntime.sleep(300)")
+    assert time.monotonic() - started < ENDS_WITHIN
+    text = "\n".join(info.value._render_traceback_())
+    assert "the launcher process died (SIGKILL" in text and "the next cell starts a new launcher" in text
+    assert "ended without reporting" not in text
+    assert "smaller batch" not in text  # host memory, never the device's advice
+    assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+def test_a_pool_whose_launcher_died_says_so(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        os.kill(ip._xla_magic_session.launcher.pid, signal.SIGKILL)
+        time.sleep(1.0)
+        with pytest.raises(UsageError, match=r"the launcher process died \(SIGKILL.*%xla_pool restart"):
+            spawn("", "rank")
+        assert re.search(r"broken: the launcher process died", pool_magic(ip, "status"))
+        pool_magic(ip, "restart")
+        assert spawn("", "rank").value == [0, 1]
+    finally:
+        pool_magic(ip, "stop")
