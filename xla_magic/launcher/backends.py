@@ -19,7 +19,7 @@ import traceback
 from typing import Any
 
 from xla_magic import protocol
-from xla_magic.launcher import interrupt, lifetime, pool as pool_module, rank as rank_module, simulate, strategy as strategy_module
+from xla_magic.launcher import capture, interrupt, lifetime, pool as pool_module, rank as rank_module, simulate, strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -101,11 +101,13 @@ def run_cpu(
     world_size = len(ranks)
     supervisor_pid = os.getpid()
     pids: dict[int, int] = {}
+    relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
     for rank, sockets in enumerate(ranks):
         pid = os.fork()
         if pid == 0:
             _cpu_rank(rank, world_size, ranks, cell, store, supervisor_pid)
         pids[pid] = rank
+    relay.start()
     for sockets in ranks:
         for sock in sockets.all():
             sock.close()
@@ -113,6 +115,7 @@ def run_cpu(
     while pids:
         pid, status = os.wait()
         if pid in pids:
+            relay.rank_ended(pids[pid])  # what the rank wrote before it died goes out before its EXIT
             supervisor.send(protocol.EXIT, rank=pids.pop(pid), code=lifetime.exit_code(status))
     supervisor.send(protocol.ENDED, error=None)
 
@@ -196,11 +199,15 @@ def run_tpu(
     # instead of the supervisor's SIG_IGN; the ranks are their threads.
     interrupt.install_handler()
     supervisor.send(protocol.SPAWNED, pids={})
+    relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
+    relay.start()
     try:
         xmp.spawn(_tpu_rank, args=(ranks, cell), nprocs=nprocs, start_method="fork")
     except BaseException:
+        relay.all_ended()
         supervisor.send(protocol.ENDED, error=traceback.format_exc())
     else:
+        relay.all_ended()
         supervisor.send(protocol.ENDED, error=None)
 
 
