@@ -570,7 +570,10 @@ def test_flood_keeps_every_line_and_folds_the_display(spawn):
         ("The TPU is already in use by process with pid 4242.", "another process holds the TPU"),
         ("open(/dev/accel0): Operation not permitted: Operation not permitted", "TPU build of TensorFlow"),
         ("Couldn't open iommu group /dev/vfio/0", "TPU build of TensorFlow"),
-        ("RESOURCE_EXHAUSTED: Attempting to reserve 12.5G at the bottom of memory", "ran out of memory"),
+        ("RESOURCE_EXHAUSTED: Attempting to reserve 12.5G at the bottom of memory", "a device ran out of memory"),
+        ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+         "memory space hbm. Used 20.5G of 15.48G hbm.", "a device ran out of memory"),
+        ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes.", HOST_ADVICE),
     ],
 )
 def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
@@ -579,6 +582,10 @@ def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
         spawn("--devices 2", f"raise RuntimeError({message!r})")
     rendered = "\n".join(info.value._render_traceback_())
     assert "What to do: " in rendered and advice in rendered
+    if "device" in advice:
+        assert HOST_ADVICE not in rendered
+    else:
+        assert DEVICE_ADVICE not in rendered
 
 
 def test_subprocesses_a_cell_leaves_behind_are_ended(ip, spawn):
