@@ -203,8 +203,19 @@ KNOWN_PROBLEMS = [
         "an XLA runtime was started before the ranks: keep every use of the XLA "
         "device inside %%xla_spawn cells and restart the kernel if it touched one.",
     ),
+    # The host's memory before the device's: our own SIGKILL hint says "ran out
+    # of memory", and the device advice would contradict it.
     (
-        r"RESOURCE_EXHAUSTED|Attempting to (reserve|allocate).*(HBM|memory)|out of memory",
+        r"SIGKILL: killed|^MemoryError\b|DefaultCPUAllocator: (can't allocate|not enough memory)",
+        "the host (not a device) probably ran out of memory: every rank holds its own copy "
+        "of what it loads, so 8 ranks need 8 times the host memory. Load one rank at a time "
+        "(a loop over `rank` with `strategy.barrier()`), move weights to the device right "
+        "away, load in a smaller dtype, or use fewer ranks (--devices). `dmesg` or "
+        "`journalctl -k` says \"Out of memory: Killed process\" when this was the cause.",
+    ),
+    (
+        r"RESOURCE_EXHAUSTED|Attempting to (reserve|allocate)|Ran out of memory in memory space|"
+        r"Error allocating device buffer",
         "a device ran out of memory: use a smaller batch or model, or bfloat16.",
     ),
 ]
@@ -212,7 +223,7 @@ KNOWN_PROBLEMS = [
 
 def known_problem(text: str) -> str | None:
     for pattern, advice in KNOWN_PROBLEMS:
-        if re.search(pattern, text, re.IGNORECASE):
+        if re.search(pattern, text, re.IGNORECASE | re.MULTILINE):
             return advice
     return None
 

@@ -6,6 +6,7 @@ Runs in the kernel.
 from __future__ import annotations
 
 import argparse
+import keyword
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -79,8 +80,8 @@ class XlaMagics(Magics):
         ranks, whose namespaces persist between cells; ``--fresh`` spawns.
         """
         args = parse_argstring(self.xla_spawn, line)
-        if args.out is not None and not args.out.isidentifier():
-            raise UsageError(f"--out takes a variable name, not {args.out!r}")
+        if args.out is not None:
+            _check_name(args.out, "--out takes a variable name")
         results = self.session.run_cell(
             cell, args.devices, args.backend, args.timeout, args.fresh,
             self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
@@ -153,13 +154,20 @@ class XlaMagics(Magics):
             print(self.session.describe_pool())
 
 
+def _check_name(name: str, what: str) -> None:
+    """A name code can use: an identifier, not a keyword (``for``, ``None``, ``True``...)."""
+    if not name.isidentifier():
+        raise UsageError(f"{what}, not {name!r}")
+    if keyword.iskeyword(name):
+        raise UsageError(f"{what}, not the keyword {name!r}, which no code could use as a name; pick another, like {name}_")
+
+
 def _check_pool_arguments(args: argparse.Namespace) -> None:
     if args.action in ("push", "pull"):
         if not args.names:
             raise UsageError(f"%xla_pool {args.action} needs a name, like %xla_pool {args.action} model")
-        bad = [name for name in args.names if not name.isidentifier()]
-        if bad:
-            raise UsageError(f"%xla_pool {args.action} takes variable names, not {', '.join(map(repr, bad))}")
+        for name in args.names:
+            _check_name(name, f"%xla_pool {args.action} takes variable names")
         if args.action == "pull" and len(args.names) > 1:
             raise UsageError("%xla_pool pull takes one name at a time, like %xla_pool pull loss --rank 0")
     elif args.names:

@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 from xla_magic import protocol
-from xla_magic.launcher import interrupt, lifetime, rank as rank_module, serve, simulate, strategy as strategy_module
+from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, serve, simulate, strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -47,6 +47,9 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
         _supervisor_pid = os.getpid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # ranks handle interrupts
+        # The kernel's SIGTERM to the run's group is for the ranks: the
+        # supervisor stays to relay their last output and report their exits.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         lifetime.become_subreaper()
         ranks = [
             rank_module.RankSockets(*(socket.socket(fileno=fd) for fd in fds[i : i + 3]))
@@ -98,11 +101,13 @@ def run_cpu(
     world_size = len(ranks)
     supervisor_pid = os.getpid()
     pids: dict[int, int] = {}
+    relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
             _cpu_rank(rank, world_size, ranks, supervisor, first, run_id, store, supervisor_pid)
         pids[pid] = rank
+    relay.start()
     for sockets in ranks:
         for sock in sockets.all():
             sock.close()
@@ -110,6 +115,7 @@ def run_cpu(
     while pids:
         pid, status = os.wait()
         if pid in pids:
+            relay.rank_ended(pids[pid])  # what the rank wrote before it died goes out before its EXIT
             supervisor.send(protocol.EXIT, rank=pids.pop(pid), code=lifetime.exit_code(status))
     lifetime.end_descendants()
     supervisor.send(protocol.ENDED, error=None)
@@ -129,6 +135,7 @@ def _cpu_rank(
     code = 1
     try:
         lifetime.die_with_parent(supervisor_pid)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's SIG_IGN is not for ranks
         # Only the supervisor speaks on its socket, and a rank's children
         # must not hold it (nor other ranks' sockets) open.
         supervisor.close()
@@ -189,15 +196,20 @@ def run_tpu(
     else:
         nprocs = 1 if len(ranks) == 1 else None
     # xmp.spawn's worker processes are forked from here and inherit this handler
-    # instead of the supervisor's SIG_IGN; the ranks are their threads.
+    # instead of the supervisor's SIG_IGN; the ranks are their threads. They
+    # must also die of SIGTERM, and only the main thread can say so: here.
     interrupt.install_handler()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     supervisor.send(protocol.SPAWNED, pids={})
+    relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
+    relay.start()
     try:
         xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id), nprocs=nprocs, start_method="fork")
     except BaseException:
         error = traceback.format_exc()
     else:
         error = None
+    relay.all_ended()
     lifetime.end_descendants()
     supervisor.send(protocol.ENDED, error=error)
 
