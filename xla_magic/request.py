@@ -181,8 +181,9 @@ class Request:
                     self._stop("failure")
                     break
                 if deadline is not None and time.monotonic() > deadline:
+                    stopped = self._stopped_ranks()
                     self._stop("timeout")
-                    raise self._error(f"timed out after {self.timeout:g} s (--timeout); {self._stopped_note()}")
+                    raise self._error(f"timed out after {self.timeout:g} s (--timeout){stopped}; {self._stopped_note()}")
                 if self.record.interrupt_requested:
                     raise KeyboardInterrupt
                 self._pump(0.1)
@@ -265,6 +266,13 @@ class Request:
                 self.stopped_pids.discard(pid)
                 for rank in ranks:
                     self._rank_state(rank, "running")
+
+    def _stopped_ranks(self) -> str:
+        """What to add to a timeout's message when ranks were stopped by a signal meanwhile."""
+        ranks = [rank for rank in self._unsettled() if self.ranks.pids.get(rank) in self.stopped_pids]
+        if not ranks:
+            return ""
+        return f" while rank(s) {_listed(ranks)} stayed stopped by SIGSTOP/SIGTSTP"
 
     def _pump(self, timeout: float) -> None:
         if not self.ranks.selector.get_map():
