@@ -269,4 +269,4 @@ def test_the_tpu_backend_replaces_nothing(spawn, monkeypatch):
         assert modules == ["torch_xla.core.xla_model"] * 4 + ["torch_xla.runtime"] * 2
         assert (world, ordinal) == (2, rank)
     simulated = spawn("--devices 2 --backend cpu", UNTOUCHED)
-    assert simulated.value[1][0] == ["xla_magic.launcher.simulate"] * 6
+    assert all(module.startswith("xla_magic.launcher.simulate") for module in simulated.value[1][0])
