@@ -38,8 +38,6 @@ import torch_xla.runtime as xr
 from xla_magic.launcher.simulate import collectives, exchange, traced
 
 COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
     "reduce_scatter",
     "all_to_all",
     "collective_permute",
@@ -79,6 +77,10 @@ def _replacements() -> list[tuple[Any, str, Callable[..., Any]]]:
     ]
     for name in COLLECTIVES:
         table.append((xm, name, _not_compiled(getattr(collectives, name))))
+    # These two trace their plain case as torch's functional all_reduce, as torch_xla does.
+    collectives.eager_all_reduce = _not_compiled(collectives.eager_all_reduce, "all_reduce")
+    collectives.eager_all_gather = _not_compiled(collectives.eager_all_gather, "all_gather")
+    table += [(xm, "all_reduce", collectives.all_reduce), (xm, "all_gather", collectives.all_gather)]
     # Older torch_xla releases still carry the XRT-era names.
     for name, replacement in (("xrt_world_size", world_size), ("get_ordinal", global_ordinal)):
         if hasattr(xm, name):
@@ -87,11 +89,13 @@ def _replacements() -> list[tuple[Any, str, Callable[..., Any]]]:
     return table
 
 
-def _not_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+def _not_compiled(function: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
     """Under torch.compile, run ``function`` eagerly (a graph break); with
     fullgraph=True dynamo refuses, naming this reason."""
+    if getattr(function, "_torchdynamo_disable", False):
+        return function
     reason = (
-        f"xm.{function.__name__} is simulated on CPU by xla_magic and runs outside compiled graphs; "
+        f"xm.{name or function.__name__} (this form of it) is simulated on CPU by xla_magic and runs outside compiled graphs; "
         f"call it outside the compiled function, drop fullgraph=True, or use torch.distributed's "
         f"collectives on the 'xla' process group, which compile"
     )

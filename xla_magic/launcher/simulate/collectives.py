@@ -26,6 +26,50 @@ def all_reduce(
     groups: list[list[int]] | None = None,
     pin_layout: bool = True,
 ) -> torch.Tensor | list[torch.Tensor]:
+    """xm.all_reduce. As in torch_xla, the plain case (one tensor, no scale,
+    no groups, pinned) is torch's functional all_reduce, which torch.compile
+    traces (see ``traced``); the others run eagerly."""
+    if _plain(inputs) and scale == 1.0 and not groups and pin_layout:
+        return torch.ops._c10d_functional.all_reduce(inputs, reduce_type, "xm.all_reduce")
+    return eager_all_reduce(reduce_type, inputs, scale, groups, pin_layout)
+
+
+def all_gather(
+    value: torch.Tensor | list[torch.Tensor],
+    dim: int = 0,
+    groups: list[list[int]] | None = None,
+    output: torch.Tensor | list[torch.Tensor] | None = None,
+    pin_layout: bool = True,
+    channel_id: int | None = None,
+    use_global_device_ids: bool | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """xm.all_gather. As in torch_xla, one pinned tensor without ``output``
+    is an all_reduce of zero-padded values, which torch.compile traces."""
+    if _plain(value) and pin_layout and output is None and not groups:
+        if value.dim() == 0:
+            raise ValueError("xm.all_gather joins tensors along a dimension, and a 0-dim tensor has none; use value.unsqueeze(0).")
+        dim = dim % value.dim()
+        padding = [0] * (2 * value.dim())
+        size, rank, world_size = value.size(dim), sim().rank, sim().world_size
+        index = value.dim() - 1 - dim
+        padding[2 * index], padding[2 * index + 1] = rank * size, (world_size - 1 - rank) * size
+        padded = torch.nn.functional.pad(value, padding)
+        return torch.ops._c10d_functional.all_reduce(padded, xm.REDUCE_SUM, "xm.all_gather")
+    return eager_all_gather(value, dim, groups, output, pin_layout, channel_id, use_global_device_ids)
+
+
+def _plain(value: Any) -> bool:
+    """One XLA tensor, among several ranks: the case torch_xla makes traceable."""
+    return isinstance(value, torch.Tensor) and value.device.type == "xla" and sim().world_size > 1
+
+
+def eager_all_reduce(
+    reduce_type: str,
+    inputs: torch.Tensor | list[torch.Tensor],
+    scale: float = 1.0,
+    groups: list[list[int]] | None = None,
+    pin_layout: bool = True,
+) -> torch.Tensor | list[torch.Tensor]:
     """xm.all_reduce: combine each tensor over the ranks of the caller's group.
 
     A tensor gives a new tensor; a list is reduced in place and returned.
@@ -43,8 +87,7 @@ def all_reduce(
         for target, value in zip(tensors, reduced):
             rebind(target, value)
         return inputs
-    # torch_xla routes the plain case through the traceable functional op.
-    bump("xla::all_reduce" if scale == 1.0 and not groups and pin_layout else "xla::AllReduce")
+    bump("xla::AllReduce")
     return _like(reduced[0], tensors[0])
 
 
@@ -57,7 +100,7 @@ def reduce_values(
     return [_scaled(functools.reduce(combine, column), scale) for column in zip(*members)]
 
 
-def all_gather(
+def eager_all_gather(
     value: torch.Tensor | list[torch.Tensor],
     dim: int = 0,
     groups: list[list[int]] | None = None,
@@ -87,7 +130,7 @@ def all_gather(
         # torch_xla builds this one from an all_reduce of zero-padded values.
         if sim().world_size == 1:
             return value.clone()
-        bump("xla::all_reduce" if not groups else "xla::AllReduce")
+        bump("xla::AllReduce")
     elif single:
         bump("xla::AllGatherOut" if output is not None else "xla::AllGather")
     members = exchange_tensors(call, tensors, group)

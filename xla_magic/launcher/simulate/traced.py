@@ -78,8 +78,10 @@ def _everyone(size: int | None = None) -> list[int]:
 
 def all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     exchange.bump("xla::all_reduce")
-    call = "dist.all_reduce"
-    [value] = collectives.reduce_values(call, _reduce_type(reduce_op), [input], 1.0, _everyone())
+    # xm.all_reduce and xm.all_gather come here too, and name themselves (torch_xla ignores the group name).
+    call = group_name if group_name.startswith("xm.") else "dist.all_reduce"
+    reduce_type = reduce_op if call.startswith("xm.") else _reduce_type(reduce_op)
+    [value] = collectives.reduce_values(call, reduce_type, [input], 1.0, _everyone())
     return exchange.to_device(value, input.device)
 
 
