@@ -198,8 +198,11 @@ def require_same_shapes(call: str, group: list[int], members: list[list[torch.Te
 def rebind(target: torch.Tensor, value: torch.Tensor) -> None:
     """Make the XLA tensor ``target`` hold ``value``, shape included, as torch_xla's
     ``output=`` collectives do (outside autograd)."""
-    with own_transfers():
-        torch_xla._XLAC._replace_xla_tensor(target, value.to(target.device))
+    with own_transfers(), torch.no_grad():
+        if target.shape == value.shape and target.dtype == value.dtype:
+            target.copy_(value)  # keeps a Parameter's identity and autograd state
+        else:
+            torch_xla._XLAC._replace_xla_tensor(target, value.to(target.device))
 
 
 # --- metric counters -------------------------------------------------------------
