@@ -20,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ class Simulation:
     store_dir: str
     group: Any = None  # the private gloo group, made on the first collective
     store: Any = None  # the FileStore of the run, under the group and the channels
+    calls: int = 0  # collectives this rank has entered
     own_counts: dict[str, int] = field(default_factory=dict)  # counters our own copies bumped
 
 
@@ -62,11 +64,21 @@ def sim() -> Simulation:
 
 
 def exchange(call: str, value: Any) -> list[Any]:
-    """Every rank's ``value``, by rank, after checking all made the same call."""
+    """Every rank's ``value``, by rank, after checking all made the same call.
+
+    A rank that waits here for one that ended its cell without making this
+    call is told so, instead of waiting for ever (see ``leave``).
+    """
     state = sim()
     if state.world_size == 1:
         return [value]
-    gathered = [pickle.loads(blob) for blob in _all_gather_bytes(_group(state), pickle.dumps((call, value)))]
+    seq = state.calls
+    state.calls += 1
+    _mark(state, f"in\t{seq}\t{call}")
+    if state.group is None:
+        _wait_for_peers(state, seq, call)
+    blobs = _all_gather_bytes(state, _group(state), pickle.dumps((call, value)), seq, call)
+    gathered = [pickle.loads(blob) for blob in blobs]
     calls = [name for name, _ in gathered]
     if any(name != call for name in calls):
         listing = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(calls))
@@ -75,6 +87,79 @@ def exchange(call: str, value: Any) -> list[Any]:
             f"collective calls in the same order; on a TPU this hangs."
         )
     return [value for _, value in gathered]
+
+
+def leave(closing: Callable[[], None]) -> Callable[[], None]:
+    """``closing`` (the barrier ranks leave a cell through), first refusing to
+    leave while another rank waits in a collective this rank never made."""
+
+    def checked_closing() -> None:
+        state = sim()
+        if state.world_size > 1:
+            _mark(state, f"end\t{state.calls}")
+            while not _everyone_ended(state):
+                time.sleep(0.01)
+        closing()
+
+    return checked_closing
+
+
+def _everyone_ended(state: Simulation) -> bool:
+    ended = True
+    for peer, mark in _marks(state).items():
+        fields = mark.split("\t")
+        if fields[0] == "end":
+            continue
+        ended = False
+        if fields[0] == "in" and int(fields[1]) >= state.calls:
+            raise RuntimeError(
+                f"rank {peer} waits in {fields[2]} (its collective #{int(fields[1]) + 1}), which rank "
+                f"{state.rank} ended its cell without making. Every rank must make the same collective "
+                f"calls; on a TPU this hangs."
+            )
+    return ended
+
+
+def _check_peers(state: Simulation, seq: int, call: str) -> None:
+    """Refuse to go on waiting in collective ``seq`` for a rank that has ended."""
+    for peer, mark in _marks(state).items():
+        fields = mark.split("\t")
+        if fields[0] == "end" and int(fields[1]) <= seq:
+            raise RuntimeError(
+                f"rank {state.rank} waits in {call} (its collective #{seq + 1}), but rank {peer} ended "
+                f"its cell without making it. Every rank must make the same collective calls; on a TPU "
+                f"this hangs."
+            )
+
+
+def _wait_for_peers(state: Simulation, seq: int, call: str) -> None:
+    # Making the gloo group blocks until every rank makes it; wait until each
+    # has at least entered a collective, or refuse if one has ended.
+    while True:
+        _check_peers(state, seq, call)
+        marks = _marks(state)
+        if len(marks) == state.world_size - 1:
+            return
+        time.sleep(0.005)
+
+
+def _mark_key(rank: int) -> str:
+    return f"xla_magic/at/{rank}"
+
+
+def _mark(state: Simulation, text: str) -> None:
+    file_store(state).set(_mark_key(state.rank), text.encode())
+
+
+def _marks(state: Simulation) -> dict[int, str]:
+    """What each other rank last did: ``in <seq> <call>`` or ``end <calls>``."""
+    store = file_store(state)
+    marks = {}
+    for peer in range(state.world_size):
+        key = _mark_key(peer)
+        if peer != state.rank and store.check([key]):
+            marks[peer] = store.get(key).decode()
+    return marks
 
 
 def file_store(state: Simulation) -> Any:
@@ -120,17 +205,29 @@ def _group(state: Simulation) -> Any:
     return state.group
 
 
-def _all_gather_bytes(group: Any, blob: bytes) -> list[bytes]:
+def _all_gather_bytes(state: Simulation, group: Any, blob: bytes, seq: int, call: str) -> list[bytes]:
     """Every rank's bytes, by rank: the lengths first, then the padded bytes."""
     size = torch.tensor([len(blob)], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(group.size())]
-    group.allgather([sizes], [size]).wait()
+    _wait(state, group.allgather([sizes], [size]), seq, call)
     mine = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
     if blob:
         mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in sizes]
-    group.allgather([everyone], [mine]).wait()
+    group.allgather([everyone], [mine]).wait()  # every rank is in this exchange now
     return [bytes(t[: int(s)].numpy()) for t, s in zip(everyone, sizes)]
+
+
+def _wait(state: Simulation, work: Any, seq: int, call: str) -> None:
+    """``work.wait()``, looking every 0.2 s for a rank that ended instead."""
+    delay, looked = 0.0, time.monotonic()
+    while not work.is_completed():
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-4), 0.01)
+        if time.monotonic() - looked > 0.2:
+            _check_peers(state, seq, call)
+            looked = time.monotonic()
+    work.wait()
 
 
 # --- tensors in and out --------------------------------------------------------
