@@ -135,6 +135,8 @@ out["send_recv_ring"] = received.cpu()
 piece = torch.zeros(2 * n, 3, device=dev)
 dist.scatter(piece, [x * (i + 1) for i in range(n)] if r == 0 else None, src=0); out["scatter"] = piece.cpu()
 t = x.clone(); dist.reduce(t, dst=0); out["reduce"] = t.cpu()
+at_0 = [torch.zeros_like(x) for _ in range(n)] if r == 0 else None
+dist.gather(x, at_0, dst=0); out["gather"] = [g.cpu() for g in at_0] if r == 0 else None
 dist.barrier()
 
 torch.manual_seed(0)
@@ -195,6 +197,7 @@ def expected_dist(n: int, r: int) -> dict:
         "send_recv_ring": xs[(r - 1) % n],
         "scatter": xs[0] * (r + 1),
         "reduce": total if r == 0 else x,
+        "gather": xs if r == 0 else None,
         "compiled": [total * 2, (total + n) * 2],
         "compiled_counter": True,
         "compiled_xm": [total + 1, total * 2 + 1],
