@@ -24,9 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch_xla.core.dynamo_bridge as bridge
 import torch_xla.core.xla_model as xm
-import torch_xla.distributed.xla_backend  # noqa: F401  registers "xla://" before install replaces its store
 
 from xla_magic.launcher.simulate import collectives, exchange
 
@@ -48,17 +46,25 @@ _REDUCE_OPS = {
 }
 
 _library: Any = None
+_original_extract: Callable[..., Any] | None = None
 
 
 def install() -> None:
-    global _library
+    """Called in each simulated rank; the launcher, which the tpu backend
+    forks too, imports none of what this changes."""
+    global _library, _original_extract
+    import torch_xla.core.dynamo_bridge as bridge
+    import torch_xla.distributed.xla_backend  # noqa: F401  registers "xla://" before its store is replaced
+
     if _library is None:
         _library = torch.library.Library("_c10d_functional", "IMPL")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
             for name, kernel in _KERNELS.items():
                 _library.impl(name, kernel, "XLA")
-    bridge.extract_compiled_graph = _extract_compiled_graph(_original_extract)
+    if _original_extract is None:
+        _original_extract = bridge.extract_compiled_graph
+        bridge.extract_compiled_graph = _extract_compiled_graph(_original_extract)
     dist_rendezvous._rendezvous_handlers["xla"] = _xla_rendezvous
 
 
@@ -129,9 +135,6 @@ _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 # --- compiled graphs -------------------------------------------------------------
-
-_original_extract = bridge.extract_compiled_graph
-
 
 def _extract_compiled_graph(original: Callable[..., Any]) -> Callable[..., Any]:
     def extract_compiled_graph(model: torch.fx.GraphModule, args: Any) -> Callable[..., Any]:
