@@ -65,7 +65,6 @@ out
 
 def expected_xm(n: int, r: int) -> dict:
     xs = [inputs(i, n) for i in range(n)]
-    x = xs[r]
     half = max(1, n // 2)
     group = [g for g in (list(range(s, s + half)) for s in range(0, n, half)) if r in g][0]
     pos = group.index(r)

@@ -19,6 +19,7 @@ import torch_xla.core.xla_model as xm
 from xla_magic.launcher.simulate import exchange as ex
 from xla_magic.launcher.simulate.exchange import bump, exchange_tensors, group_of, rebind, sim, to_device
 
+
 def all_reduce(
     reduce_type: str,
     inputs: torch.Tensor | list[torch.Tensor],
