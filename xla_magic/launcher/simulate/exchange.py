@@ -97,8 +97,10 @@ def leave(closing: Callable[[], None]) -> Callable[[], None]:
         state = sim()
         if state.world_size > 1:
             _mark(state, f"end\t{state.calls}")
+            delay = 0.0005
             while not _everyone_ended(state):
-                time.sleep(0.01)
+                time.sleep(delay)
+                delay = min(2 * delay, 0.01)
         closing()
 
     return checked_closing
