@@ -271,7 +271,8 @@ def test_a_collective_some_ranks_never_make_fails_the_cell_instead_of_hanging(sp
     with pytest.raises(RankError) as info:
         spawn("--devices 2 --backend cpu --timeout 60", cell)
     rendered = "\n".join(info.value._render_traceback_())
-    assert 1 in info.value.ranks
+    # Whichever rank notices first fails the cell (the kernel then stops the other).
+    assert info.value.ranks and set(info.value.ranks) <= {0, 1}
     assert re.search(r"rank 0 waits in xm.all_reduce \(its collective #1\).*(ended its cell without making|without making it)", rendered), rendered
 
 
