@@ -144,21 +144,11 @@ def _cpu_rank(
 
         def setup() -> dict[str, Any]:
             import torch
-            import torch.distributed as dist
             import torch_xla
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-
-            def join_group() -> None:
-                # gloo prints "[Gloo] Rank N is connected to M peer ranks" on
-                # fd 1 whatever the log level; keep it out of the cell.
-                with lifetime.silenced_stdout():
-                    dist.init_process_group(
-                        "gloo", init_method=f"file://{store}/store", rank=rank, world_size=world_size
-                    )
-
             device = torch_xla.device()
-            simulate.install(rank, world_size, join_group)  # before the cell: xm/xr across ranks
+            simulate.install(rank, world_size, store)  # before the cell: xm/xr across ranks
             strategy = strategy_module.RankStrategy(rank, world_size, device, simulated=True)
             strategy_module.activate(strategy)
             return {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}

@@ -26,33 +26,48 @@ rank at once, where a TPU would fail to compile or hang.
 from __future__ import annotations
 
 import functools
+import os
+import pickle
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
+
+from xla_magic.launcher import lifetime
+
+# As long as torch.distributed waits by default: a rank may compute for long
+# between two collectives.
+GROUP_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass
 class _Simulation:
     rank: int
     world_size: int
-    join_group: Callable[[], None]
+    store_dir: str
+    group: Any = None  # the private gloo group, made on the first collective
 
 
 _active: _Simulation | None = None
 
 
-def install(rank: int, world_size: int, join_group: Callable[[], None]) -> None:
+def install(rank: int, world_size: int, store_dir: str) -> None:
     """Route torch_xla's collectives and ordinals through this module.
 
-    ``join_group`` joins the gloo group of the run; it is called on the first
-    collective, so cells that use none never pay for the group.
+    The ranks of a run meet through files in ``store_dir`` (the kernel's
+    directory for the run). Their values travel over a gloo group of their
+    own, made on the first collective (a cell that makes none never pays
+    for it) and never registered with torch.distributed: the default group
+    stays the user's, and ``dist.is_initialized()`` is False until user
+    code makes one, as on a TPU.
     """
     global _active
-    _active = _Simulation(rank, world_size, join_group)
+    _active = _Simulation(rank, world_size, store_dir)
     for module, name, replacement in _replacements():
         setattr(module, name, replacement)
 
@@ -366,12 +381,8 @@ def _exchange(call: str, value: Any) -> list[Any]:
     sim = _sim()
     if sim.world_size == 1:
         return [value]
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        sim.join_group()
-    gathered: list[Any] = [None] * sim.world_size
-    dist.all_gather_object(gathered, (call, value))
+    gathered = _all_gather_bytes(_group(sim), pickle.dumps((call, value)))
+    gathered = [pickle.loads(blob) for blob in gathered]
     calls = [name for name, _ in gathered]
     if any(name != call for name in calls):
         listing = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(calls))
@@ -380,3 +391,30 @@ def _exchange(call: str, value: Any) -> list[Any]:
             f"collective calls in the same order; on a TPU this hangs."
         )
     return [value for _, value in gathered]
+
+
+def _group(sim: _Simulation) -> Any:
+    """The run's private gloo group, on loopback; made on first use."""
+    if sim.group is None:
+        store = dist.PrefixStore("xla_magic", dist.FileStore(os.path.join(sim.store_dir, "simulation"), sim.world_size))
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+        options._timeout = GROUP_TIMEOUT
+        # gloo prints "[Gloo] Rank N is connected to M peer ranks" on fd 1
+        # whatever the log level; keep it out of the cell.
+        with lifetime.silenced_stdout():
+            sim.group = dist.ProcessGroupGloo(store, sim.rank, sim.world_size, options)
+    return sim.group
+
+
+def _all_gather_bytes(group: Any, blob: bytes) -> list[bytes]:
+    """Every rank's bytes, by rank: the lengths first, then the padded bytes."""
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(group.size())]
+    group.allgather([sizes], [size]).wait()
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else mine[:0]
+    everyone = [torch.empty_like(mine) for _ in sizes]
+    group.allgather([everyone], [mine]).wait()
+    return [bytes(t[: int(s)].numpy()) for t, s in zip(everyone, sizes)]
