@@ -68,6 +68,7 @@ def _patches() -> dict[str, Callable[[ModuleType], None]]:
     for root in _FABRIC_ROOTS:
         table[f"{root}.accelerators.xla"] = _patch_accelerator
         table[f"{root}.strategies.xla"] = _patch_strategy
+        table[f"{root}.strategies.xla_fsdp"] = _patch_strategy
     for root in _PYTORCH_ROOTS:
         table[f"{root}.strategies.xla"] = _patch_strategy
         table[f"{root}.trainer.call"] = _patch_trainer_call
@@ -127,11 +128,15 @@ def _patch_accelerator(module: ModuleType) -> None:
 
 
 def _patch_strategy(module: ModuleType) -> None:
-    strategy = module.XLAStrategy
-    if getattr(strategy, "_xla_magic", False):
-        return
-    strategy._configure_launcher = _launch_in_place
-    strategy._xla_magic = True
+    for name in ("XLAStrategy", "XLAFSDPStrategy"):
+        strategy = getattr(module, name, None)
+        if strategy is None or getattr(strategy, "_xla_magic", False):
+            continue
+        strategy._configure_launcher = _launch_in_place
+        # A rank is inside the launched region from start to end, also after
+        # trainer.fit returns (Lightning's teardown would say it is not).
+        strategy._launched = property(lambda self: True, lambda self, value: None)
+        strategy._xla_magic = True
 
 
 def _patch_trainer_call(module: ModuleType) -> None:
