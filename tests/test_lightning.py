@@ -11,6 +11,8 @@ with averaged gradients computes when each step sees every sample once.
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 import time
 
 import pytest
@@ -247,18 +249,26 @@ def test_one_rank_cell_uses_the_single_device_strategies_with_pytorch_lightning(
 
 
 THREADS_CELL = MODEL.replace("{package}", "lightning") + """
+import time
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 fabric = L.Fabric(accelerator="tpu", devices="auto")
 fabric.launch()
+time.sleep(0.2 * fabric.global_rank)  # the last thread to set Lightning's rank is not rank 0
+fabric.print("printed on rank zero only, by", fabric.global_rank)
 data = fabric.setup_dataloaders(loader(fabric.world_size))
-(type(fabric.strategy).__name__, fabric.world_size, fabric.global_rank, [i for index, _, _ in data for i in index.tolist()])
+(type(fabric.strategy).__name__, fabric.world_size, fabric.global_rank, rank_zero_only.rank,
+ [i for index, _, _ in data for i in index.tolist()])
 """
 
 
 def test_fabric_sees_the_ranks_of_the_tpu_launch_path(spawn, monkeypatch):
-    """Two ranks as threads of one process; XLA's CPU collectives do not join threads, so no training here."""
+    """Ranks as threads of one process; XLA's CPU collectives do not join threads, so no training here."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    run = spawn("--devices 2 --backend tpu", THREADS_CELL)
-    assert run.value == [("XLAStrategy", 2, r, list(range(SAMPLES))[r::2]) for r in range(2)]
+    run = spawn("--devices 4 --backend tpu", THREADS_CELL)
+    assert run.value == [("XLAStrategy", 4, r, r, list(range(SAMPLES))[r::4]) for r in range(4)]
+    assert [line for line in run.lines() if "printed on rank zero only" in line] == [
+        "[rank 0] printed on rank zero only, by 0"
+    ]
 
 
 def test_a_device_count_that_is_not_the_cells_is_refused(spawn):
@@ -332,7 +342,17 @@ def test_fit_again_in_a_pool_and_results_come_back_to_an_xla_free_kernel(tmp_pat
         )
         elapsed = time.monotonic() - started
         assert reply["status"] == "error" and "timed out after 4 s" in text, text
+        assert "Detected KeyboardInterrupt, attempting graceful shutdown" in text  # Lightning's own path
+        assert "SystemExit" not in text, text  # ... ends as the interrupt it is, and the ranks live on
         assert elapsed < 4 + 3 * 1.5 + 10, elapsed
+        reply, text = kernel.run("%xla_pool")
+        pids = re.search(r"rank processes ([0-9, ]+)", text).group(1)
+        # Lightning ignores SIGINT after its KeyboardInterrupt: the rank must not, so
+        # the next interrupt stops the next cell without costing the pool its ranks.
+        reply, text = kernel.run("%%xla_spawn --timeout 2\nimport time\ntime.sleep(600)")
+        assert reply["status"] == "error" and "the pool keeps its ranks" in text, text
+        reply, text = kernel.run("%xla_pool")
+        assert re.search(r"rank processes ([0-9, ]+)", text).group(1) == pids, text
         reply, text = kernel.run("%%xla_spawn\nrank + 10")
         assert reply["status"] == "ok" and "[10, 11]" in text, text
 
@@ -349,6 +369,8 @@ def test_a_rank_ignoring_sigterm_during_a_fit_is_still_stopped(spawn, tmp_path):
 import signal, time
 class Stuck(Regression):
     def training_step(self, batch, batch_idx):
+        with open(f"{{ROOT}}/stuck{{rank}}", "w") as marker:
+            marker.write(type(signal.getsignal(signal.SIGTERM)).__name__)
         while True:
             try:
                 time.sleep(60)
@@ -360,3 +382,5 @@ L.Trainer(accelerator='tpu', devices=2, max_epochs=1, default_root_dir=ROOT, {QU
     with pytest.raises(RankError, match=r"timed out after 3 s"):
         spawn("--devices 2 --backend cpu --timeout 3", cell, ROOT=str(tmp_path))
     assert time.monotonic() - started < 3 + 3 * 1.5 + 10
+    for rank in range(2):  # each rank was in its step, under Lightning's own SIGTERM handler
+        assert (tmp_path / f"stuck{rank}").read_text() == "_HandlersCompose"

@@ -13,7 +13,9 @@ processes externally (torchrun, SLURM):
   strategy then takes its ranks from ``torch_xla.runtime`` as in a spawned
   process;
 - ``rank_zero_only`` knows this rank from the moment Lightning is imported,
-  so what Lightning prints while constructing a Trainer comes from rank 0.
+  so what Lightning prints while constructing a Trainer comes from rank 0;
+- an interrupted ``fit`` ends in KeyboardInterrupt, not in Lightning's
+  ``sys.exit(1)``, so the rank lives on to serve its pool.
 
 Nothing of Lightning is imported here: ``install`` patches the modules that
 are already imported and hooks the import of the others, so a cell that
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -111,8 +112,18 @@ def _spec_from_other_finders(me: Any, name: str, path: Any, target: Any) -> Any:
 
 
 def _patch_rank_zero(module: ModuleType) -> None:
-    """Lightning keeps ``rank_zero_only.rank`` if it is set before Lightning is imported."""
-    if _cell is not None and not _ranks_are_threads():
+    """Lightning keeps ``rank_zero_only.rank`` if it is set before Lightning is imported.
+
+    Where ranks are threads of one process, one attribute cannot hold every
+    rank's value, so ``rank_zero_only`` becomes an object whose ``rank`` is
+    per thread; Lightning's modules import it from here, and the functions it
+    decorates look it up here when called.
+    """
+    if _cell is None or isinstance(module.rank_zero_only, _PerThreadRankZeroOnly):
+        return
+    if _ranks_are_threads():
+        module.rank_zero_only = _PerThreadRankZeroOnly(module.rank_zero_only)
+    else:
         module.rank_zero_only.rank = _cell.rank
 
 
@@ -143,7 +154,7 @@ def _patch_trainer_call(module: ModuleType) -> None:
     original = getattr(module, "_call_and_handle_interrupt", None)
     if original is None or getattr(original, "_xla_magic", False):
         return
-    module._call_and_handle_interrupt = _keeping_sigint(original)
+    module._call_and_handle_interrupt = _interrupts_stay_interrupts(original)
 
 
 # --- what the patches put in place -------------------------------------------------
@@ -177,30 +188,58 @@ def _launch_in_place(strategy: Any) -> None:
     strategy._launcher = None
 
 
-def _keeping_sigint(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Trainer's entry points, leaving this rank's SIGINT handling as it was.
+def _interrupts_stay_interrupts(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Trainer's entry points, with an interrupt ending them as KeyboardInterrupt.
 
-    On KeyboardInterrupt Lightning ignores SIGINT from then on and exits the
-    process; a rank goes on serving cells, so it gets its handler back and
-    the interrupt stays an interrupt.
+    On KeyboardInterrupt Lightning shuts down gracefully (restoring the signal
+    handlers it replaced) and then exits the process with ``sys.exit(1)``; a
+    rank goes on serving cells, and its interrupt is reported as one. Where
+    ranks are threads, Lightning's ``signal.signal`` call raises instead of
+    exiting; that too becomes the interrupt.
     """
 
     @functools.wraps(original)
     def call(trainer: Any, trainer_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        main = threading.current_thread() is threading.main_thread()
-        handler = signal.getsignal(signal.SIGINT) if main else None
         try:
             return original(trainer, trainer_fn, *args, **kwargs)
-        except SystemExit as exc:
-            if isinstance(exc.__context__, KeyboardInterrupt):
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt) and isinstance(exc.__context__, KeyboardInterrupt):
                 raise exc.__context__ from None
             raise
-        finally:
-            if main and handler is not None:
-                signal.signal(signal.SIGINT, handler)
 
     call._xla_magic = True  # type: ignore[attr-defined]
     return call
+
+
+class _PerThreadRankZeroOnly:
+    """``rank_zero_only`` with a ``rank`` for each rank thread.
+
+    A thread that set none (one the user's code started) sees the value its
+    rank's thread last set, as with Lightning's single attribute.
+    """
+
+    def __init__(self, decorator: Callable[..., Any]) -> None:
+        self._decorator = decorator
+        self._local = threading.local()
+        self._last: int | None = None
+        functools.update_wrapper(self, decorator)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._decorator(fn, *args, **kwargs)
+
+    @property
+    def rank(self) -> int | None:
+        from xla_magic.launcher import strategy
+
+        rank = getattr(self._local, "rank", None)
+        if rank is None and strategy.current() is not None:
+            rank = strategy.current().global_rank
+        return self._last if rank is None else rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._local.rank = value
+        self._last = value
 
 
 def _ranks_are_threads() -> bool:
