@@ -22,8 +22,6 @@ from conftest import kernel_is_xla_free
 from test_kernel import Kernel
 from xla_magic.display import RankError
 
-pytest.importorskip("lightning", reason="lightning is in the test extra: pip install '.[test]'")
-
 SAMPLES, EPOCHS, LR = 16, 3, 0.1
 
 # What a user pastes from Lightning's docs, shaped to be checked: each sample
