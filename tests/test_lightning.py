@@ -269,6 +269,12 @@ def test_fabric_sees_the_ranks_of_the_tpu_launch_path(spawn, monkeypatch):
     ]
 
 
+def test_a_cell_that_does_not_import_lightning_loads_none_of_it(spawn):
+    cell = "import sys\nsorted(name for name in sys.modules if 'lightning' in name)"
+    run = spawn("--devices 2 --backend cpu", cell)
+    assert run.value == [[], []]
+
+
 def test_a_device_count_that_is_not_the_cells_is_refused(spawn):
     with pytest.raises(RankError) as raised:
         spawn("--devices 2 --backend cpu", "import lightning as L\nL.Trainer(accelerator='tpu', devices=4)")

@@ -56,7 +56,7 @@ def install(rank: int, world_size: int) -> None:
     """
     global _cell
     _cell = _Cell(rank, world_size)
-    for name, patch in _patches().items():
+    for name, patch in _PATCHES.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)
@@ -64,23 +64,11 @@ def install(rank: int, world_size: int) -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
-def _patches() -> dict[str, Callable[[ModuleType], None]]:
-    table: dict[str, Callable[[ModuleType], None]] = {_RANK_ZERO: _patch_rank_zero}
-    for root in _FABRIC_ROOTS:
-        table[f"{root}.accelerators.xla"] = _patch_accelerator
-        table[f"{root}.strategies.xla"] = _patch_strategy
-        table[f"{root}.strategies.xla_fsdp"] = _patch_strategy
-    for root in _PYTORCH_ROOTS:
-        table[f"{root}.strategies.xla"] = _patch_strategy
-        table[f"{root}.trainer.call"] = _patch_trainer_call
-    return table
-
-
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a module of ``_patches()`` right after it is first executed."""
+    """Patches a module named in ``_PATCHES`` right after it is first executed."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        patch = _patches().get(name)
+        patch = _PATCHES.get(name)
         if patch is None:
             return None
         spec = _spec_from_other_finders(self, name, path, target)
@@ -119,17 +107,18 @@ def _patch_rank_zero(module: ModuleType) -> None:
     per thread; Lightning's modules import it from here, and the functions it
     decorates look it up here when called.
     """
-    if _cell is None or isinstance(module.rank_zero_only, _PerThreadRankZeroOnly):
+    decorator = getattr(module, "rank_zero_only", None)
+    if _cell is None or decorator is None or isinstance(decorator, _PerThreadRankZeroOnly):
         return
     if _ranks_are_threads():
-        module.rank_zero_only = _PerThreadRankZeroOnly(module.rank_zero_only)
+        module.rank_zero_only = _PerThreadRankZeroOnly(decorator)
     else:
-        module.rank_zero_only.rank = _cell.rank
+        decorator.rank = _cell.rank
 
 
 def _patch_accelerator(module: ModuleType) -> None:
-    accelerator = module.XLAAccelerator
-    if getattr(accelerator, "_xla_magic", False):
+    accelerator = getattr(module, "XLAAccelerator", None)
+    if accelerator is None or getattr(accelerator, "_xla_magic", False):
         return
     accelerator.auto_device_count = staticmethod(_cell_device_count)
     accelerator.is_available = staticmethod(lambda: True)
@@ -247,3 +236,19 @@ def _ranks_are_threads() -> bool:
     import torch_xla.runtime as xr
 
     return xr.addressable_device_count() > 1
+
+
+def _patches() -> dict[str, Callable[[ModuleType], None]]:
+    table: dict[str, Callable[[ModuleType], None]] = {_RANK_ZERO: _patch_rank_zero}
+    for root in _FABRIC_ROOTS:
+        table[f"{root}.accelerators.xla"] = _patch_accelerator
+        table[f"{root}.strategies.xla"] = _patch_strategy
+        table[f"{root}.strategies.xla_fsdp"] = _patch_strategy
+    for root in _PYTORCH_ROOTS:
+        table[f"{root}.strategies.xla"] = _patch_strategy
+        table[f"{root}.trainer.call"] = _patch_trainer_call
+    return table
+
+
+# Module name -> what to do once it is imported.
+_PATCHES = _patches()
