@@ -156,7 +156,7 @@ def _cpu_rank(
         if cell is None:
             ok = pool_module.serve(rank, ranks[rank], setup)
         else:
-            closing = strategy_module.closing_on_store(os.path.join(store, "closing"), cell.run_id, world_size)
+            closing = simulate.leave(strategy_module.closing_on_store(os.path.join(store, "closing"), cell.run_id, world_size))
             ok = rank_module.execute(rank, ranks[rank], cell, setup, closing)
         code = 0 if ok else 1
     finally:
