@@ -120,6 +120,89 @@ steps_done += 1  # the model and this counter are still here from the last cell
 
 POOL_STOP = "%xla_pool stop"
 
+# --- quickstart: Lightning in a cell (self-contained; needs `pip install lightning`) ---
+
+LIGHTNING_INTRO = '''
+## Lightning in a cell
+
+Lightning code runs in a `%%xla_spawn` cell as it is written, with nothing of
+xla_magic imported: `Trainer(accelerator="tpu")` and `Fabric(accelerator="tpu")`
+take the cell's ranks as their devices. Lightning spawns nothing, since the
+ranks already exist; it sees `world_size` devices and this rank's global rank,
+shards the data with its `DistributedSampler`, averages the gradients, and
+shows its progress bar, logs and checkpoints from rank 0 only. The same cell
+runs on a TPU. (Needs `pip install lightning`.)
+'''
+
+LIGHTNING_TRAINER = '''
+%%xla_spawn --devices 4 --out lightning_weights
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class LitRegression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("loss", loss, sync_dist=True, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+model = LitRegression()
+trainer = L.Trainer(
+    accelerator="tpu", devices="auto", max_epochs=15,
+    enable_model_summary=False, logger=False, enable_checkpointing=False,
+)
+trainer.fit(model, DataLoader(TensorDataset(features, targets), batch_size=32))
+[round(value, 4) for value in model.layer.weight.flatten().tolist() + model.layer.bias.tolist()]
+'''
+
+LIGHTNING_CHECK = '''
+same = all(w == lightning_weights[0] for w in lightning_weights)
+print(f"Lightning on {len(lightning_weights)} ranks, the same weights everywhere: {same}")
+print("learned:", lightning_weights[0])
+'''
+
+LIGHTNING_FABRIC_INTRO = '''
+Fabric's own loop works the same way: `fabric.launch(train, ...)` calls
+`train` in every rank, `fabric.print` prints on rank 0, and `fabric.all_reduce`
+combines over the ranks.
+'''
+
+LIGHTNING_FABRIC = '''
+%%xla_spawn --devices 4
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def train(fabric, epochs):
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(TensorDataset(features, targets), batch_size=32, shuffle=True))
+    for epoch in range(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+        if epoch % 5 == 4:
+            fabric.print(f"epoch {epoch + 1}: mean loss {fabric.all_reduce(loss.detach(), reduce_op='mean').item():.4f}")
+
+
+fabric = L.Fabric(accelerator="tpu", devices=4)
+fabric.launch(train, 15)
+'''
+
 
 def train_cell(options: str) -> nbformat.NotebookNode:
     return code(TRAIN.format(options=options))
@@ -210,6 +293,11 @@ on XLA devices. The notebook's names a cell reads are still shipped to it.
     code(POOL_BUILD),
     code(POOL_USE),
     code(POOL_STOP),
+    md(LIGHTNING_INTRO),
+    code(LIGHTNING_TRAINER),
+    code(LIGHTNING_CHECK),
+    md(LIGHTNING_FABRIC_INTRO),
+    code(LIGHTNING_FABRIC),
     md('''
 ## The kernel stayed XLA-free
 

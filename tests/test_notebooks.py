@@ -139,6 +139,18 @@ def test_quickstart_pool_keeps_what_ranks_built(quickstart):
     assert "pool stopped" in stdout(cell_with(quickstart, "%xla_pool stop"))
 
 
+def test_quickstart_lightning_trains_across_the_ranks(quickstart):
+    trainer = cell_with(quickstart, "L.Trainer(")
+    shown = "".join(out.text for out in trainer.outputs if out.output_type == "stream")
+    assert "[rank 0] Epoch 14" in shown and "[rank 1]" not in shown  # progress and logs from rank 0 only
+    check = stdout(cell_with(quickstart, "Lightning on"))
+    assert "Lightning on 4 ranks, the same weights everywhere: True" in check
+    learned = ast.literal_eval(re.search(r"learned: (\[.*\])", check).group(1))
+    assert learned == pytest.approx([2.0, -3.0, 0.5, 1.0], abs=2e-2)
+    fabric = stdout(cell_with(quickstart, "fabric.launch(train"))
+    assert re.findall(r"^\[rank (\d)\] epoch (\d+)", fabric, re.MULTILINE) == [("0", "5"), ("0", "10"), ("0", "15")]
+
+
 def widget_text(notebook: nbformat.NotebookNode) -> str:
     """Every text value of the widgets the notebook displayed (its saved widget state)."""
     state = notebook.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})

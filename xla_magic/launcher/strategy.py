@@ -21,6 +21,8 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
+from xla_magic.launcher import frameworks
+
 _current = threading.local()
 
 # How long a rank that finished waits at the closing rendezvous for the
@@ -34,7 +36,9 @@ def current() -> "RankStrategy | None":
 
 
 def activate(strategy: "RankStrategy") -> None:
+    """Make ``strategy`` this thread's rank, for the in-cell names and for frameworks."""
     _current.strategy = strategy
+    frameworks.install(strategy.global_rank, strategy.world_size)
 
 
 class RankStrategy:
