@@ -204,6 +204,7 @@ class Session:
         pool.start_seconds = time.monotonic() - began
         pool.state = "ready"
         self.pool = pool
+        self._notify(record)  # a panel on show learns of the pool now, not at its next redraw
         print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
         return pool
 
