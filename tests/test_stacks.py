@@ -91,8 +91,8 @@ def test_a_subclass_of_the_notebook_shell_gets_the_panel_and_live_lines(subclass
 
 def test_only_the_launcher_is_left_between_cells(ip, spawn):
     """torch 2.8's inductor compile workers (or any helper) must not live under the launcher."""
-    seen = spawn("--devices 2", "import os\nos.environ.get('TORCH_WARM_POOL')").value
-    assert seen == [os.environ.get("TORCH_WARM_POOL")] * 2  # the switch the launcher uses stays its own
+    seen = spawn("--devices 2", "import os\nrepr(os.environ.get('TORCH_WARM_POOL'))").value
+    assert seen == [repr(os.environ.get("TORCH_WARM_POOL"))] * 2  # the switch the launcher uses stays its own
     launcher = psutil.Process(ip._xla_magic_session.launcher.pid)
     deadline = time.monotonic() + 20  # the run's supervisor exits just after the cell
     while launcher.children(recursive=True) and time.monotonic() < deadline:
