@@ -46,6 +46,10 @@ def subclass_kernel(tmp_path, monkeypatch):
         manager.shutdown_kernel(now=True)
 
 
+def version(distribution: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in metadata.version(distribution).split(".")[:3] if part.isdigit())
+
+
 def execute(client, code: str) -> tuple[dict, list[dict]]:
     """Run one cell; its reply and every iopub message it produced, in order."""
     messages: list[dict] = []
@@ -87,6 +91,14 @@ def test_a_subclass_of_the_notebook_shell_gets_the_panel_and_live_lines(subclass
     bundles = [m["content"]["data"] for m in messages if m["msg_type"] == "display_data"]
     assert [WIDGET_VIEW in data for data in bundles] == [True], bundles
     assert "pip install ipywidgets" not in streams(messages)
+
+    # The mid-cell Interrupt click needs ipykernel 7.4; below it the panel says so.
+    reply, messages = execute(subclass_kernel, (
+        "from xla_magic import widget\npanel = widget.status_panel(get_ipython()._xla_magic_session)\n"
+        "print(panel.live_interrupt, widget.LIVE_INTERRUPT_NEEDS in panel.message.value)"
+    ))
+    live = version("ipykernel") >= (7, 4)
+    assert streams(messages).split() == [str(live), str(not live)]
 
 
 def test_only_the_launcher_is_left_between_cells(ip, spawn):

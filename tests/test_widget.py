@@ -137,6 +137,13 @@ def test_interrupt_button_stops_the_run_and_the_panel_shows_it(ip, spawn, panel)
     assert spawn("--devices 2", "rank").value == [0, 1]  # the next cell works
 
 
+def test_without_a_kernel_subshell_the_panel_says_what_the_interrupt_button_needs(panel):
+    panel.redraw()
+    assert not panel.live_interrupt  # this shell has no kernel, so no subshell
+    assert widget.LIVE_INTERRUPT_NEEDS in panel.message.value
+    assert "stop button" in panel.message.value
+
+
 def test_panel_follows_new_runs_after_listeners_were_cleared(ip, spawn, panel):
     session = ip._xla_magic_session
     session.listeners.remove(panel.on_record)
