@@ -1,8 +1,8 @@
 """A real Jupyter kernel whose shell is a subclass of ipykernel's ZMQInteractiveShell.
 
-Built the way Colab builds its own (``google.colab._kernel.Kernel`` sets
-``shell_class`` to ``google.colab._shell.Shell``, a ZMQInteractiveShell
-subclass), so a kernel-side check that looks at the class name rather than
+Built the way Colab builds its own (``google.colab._kernel.Kernel``, an
+IPythonKernel, makes ``google.colab._shell.Shell``, a ZMQInteractiveShell
+subclass, its ``shell_class``), so a kernel-side check that looks at the class name rather than
 the class sees a shell it does not know. Run by tests/test_stacks.py
 through a kernelspec of its own:
 
