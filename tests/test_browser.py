@@ -239,6 +239,13 @@ def page(server):
         try:
             tab = browser.new_page(viewport={"width": 1280, "height": 1000})
             tab.set_default_timeout(WAIT_MS)
+            if FRONT_END is LAB:
+                # On a loaded machine JupyterLab may open the notebook before it has
+                # the kernel specs and ask which kernel to use; a person picks the one offered.
+                kernel_dialog = tab.locator(".jp-Dialog").filter(has_text="Select Kernel")
+                tab.add_locator_handler(
+                    kernel_dialog, lambda dialog: dialog.get_by_role("button", name="Select", exact=True).click()
+                )
             tab.goto(f"{server.url}{FRONT_END.path}?token={server.token}")
             tab.wait_for_selector(FRONT_END.cell)
             tab.wait_for_selector(FRONT_END.idle)
