@@ -1,16 +1,19 @@
 # All set-up happens on demand: `make demo` and `make test` work on a fresh machine.
 VENV ?= $(HOME)/.cache/xla_magic/venv
 PY := $(VENV)/bin/python
+# `make test STACKS=kaggle` runs one stack (scripts/stacks/).
+STACKS ?= current colab kaggle
 
 .PHONY: setup demo test bench
 setup:
-	@scripts/setup-venv "$(VENV)"
+	@scripts/setup-venv --stack current "$(VENV)"
 
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
-	$(PY) -m pytest
+# The whole suite on the current stack, and what differs on Colab's and Kaggle's.
+test:
+	XLA_MAGIC_VENV="$(VENV)" scripts/test-stacks $(STACKS)
 
 bench: setup
 	$(PY) benchmarks/run.py

@@ -441,10 +441,13 @@ network, and it brings no dependencies that could replace the image's own.
 def install_cell(service: Service) -> nbformat.NotebookNode:
     return code(service["wheel_hint"] + '''
 
-# Install xla_magic alone (--no-deps): the runtime's torch, torch_xla, libtpu and
-# ipywidgets stay exactly as this TPU image ships them.
+# Install xla_magic alone (--no-deps, which also works offline, from a wheel):
+# the runtime's torch, torch_xla, libtpu, IPython and ipywidgets stay exactly as
+# this TPU image ships them. The versions before and after, and pip check, show it.
 import importlib.metadata
 import importlib.util
+import subprocess
+import sys
 
 
 def versions(names):
@@ -457,13 +460,16 @@ def versions(names):
     return found
 
 
-RUNTIME = ("torch", "torch_xla", "libtpu", "jax", "tensorflow", "ipywidgets")
+RUNTIME = ("torch", "torch_xla", "libtpu", "jax", "tensorflow", "ipython", "ipykernel", "ipywidgets")
 before = versions(RUNTIME)
 %pip install -q --no-deps {XLA_MAGIC_SOURCE}
-if importlib.util.find_spec("cloudpickle") is None:  # the one dependency an image may lack
+if importlib.util.find_spec("cloudpickle") is None:  # the one requirement an image may lack
     %pip install -q cloudpickle
 after = versions(RUNTIME)
 assert after == before, f"the install changed the runtime: {before} -> {after}"
+check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True).stdout
+about_us = [line for line in check.splitlines() if line.lower().startswith(("xla-magic", "xla_magic"))]
+assert not about_us, about_us
 print("xla_magic", importlib.metadata.version("xla_magic"), "installed; runtime unchanged:", after)
 ''', "install")
 
@@ -583,12 +589,12 @@ notebook).
 
 The TPU image already has torch, torch_xla and libtpu built to work together.
 Reinstalling any of them is the most common way to break a TPU notebook, so the
-cell below installs xla_magic with `--no-deps` and then checks that none of them
-changed. (`pip install xla_magic` with dependencies would only add IPython,
-ipywidgets and cloudpickle, never torch, but it could still upgrade the
-ipywidgets that the notebook's front end is matched to; `--no-deps` leaves that
-alone too. The `[local]` extra, which does bring torch and torch_xla, is for
-laptops only.)
+cell below installs xla_magic alone (`--no-deps`) and then checks that none of
+them changed. A plain `pip install` would change nothing either: xla_magic
+requires only IPython, ipywidgets and cloudpickle, never torch, at versions the
+image already has (Colab's IPython 7.34 and ipywidgets 7.7.1 are the lower
+bounds); `--no-deps` also works offline. (The `[local]` extra, which does bring
+torch and torch_xla, is for laptops only.)
 '''),
         install_cell(service),
         md(service["hardware"]),

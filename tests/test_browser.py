@@ -1,8 +1,13 @@
-"""%xla_status in a real browser: JupyterLab on loopback, driven by headless Chromium.
+"""%xla_status in a real browser: a Jupyter front end on loopback, driven by headless Chromium.
 
-A person's view, end to end: JupyterLab renders the ipywidgets panel, the
-test reads what the page shows, clicks the panel's Interrupt button while a
-cell runs, and saves the screenshots the README uses (docs/images/).
+A person's view, end to end: the front end renders the ipywidgets panel, the
+test reads what the page shows, clicks the panel's buttons, and (JupyterLab
+only) saves the screenshots the README uses (docs/images/).
+
+The front end is the one that goes with this stack's ipywidgets: JupyterLab 4
+for ipywidgets 8, and for ipywidgets 7 (Colab's pins, scripts/stacks/colab.txt)
+classic Notebook 6.5 with widgetsnbextension 3.6, the nearest real front end
+to Colab's.
 
 Needs Debian's chromium (scripts/install-browser installs it; .ci/run calls
 that script) and the test extra's jupyterlab and playwright. Playwright
@@ -22,6 +27,8 @@ import time
 import contextlib
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import nbformat
@@ -41,10 +48,88 @@ CHROMIUM_ARGS = [
 SERVER_START_LIMIT = 60.0
 WAIT_MS = 90_000  # the longest any one thing on the page may take
 
-pytestmark = pytest.mark.skipif(
-    not os.access(CHROMIUM, os.X_OK),
-    reason=f"Chromium not found at {CHROMIUM}: run scripts/install-browser (Debian's chromium) to run this test",
+
+def version(distribution: str) -> tuple[int, ...]:
+    """The installed release as numbers, () when it is not installed."""
+    try:
+        text = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """One Jupyter front end: how to start its server and where things are on its page."""
+
+    name: str
+    command: tuple[str, ...]  # after `python -m`; {port}, {token}, {root} are filled in
+    path: str  # of the notebook, after the server's URL
+    cell: str  # one code cell
+    prompt: str  # a cell's input prompt, inside the cell
+    output: str  # a cell's output area, inside the cell
+    idle: str  # shown while the kernel is idle
+
+    def argv(self, port: int, token: str, root: Path) -> list[str]:
+        return [sys.executable, "-m", *(part.format(port=port, token=token, root=root) for part in self.command)]
+
+
+LAB = FrontEnd(
+    name="JupyterLab 4",
+    command=(
+        "jupyterlab", "--no-browser",
+        "--ServerApp.ip=127.0.0.1", "--ServerApp.port={port}", "--ServerApp.port_retries=0",
+        "--IdentityProvider.token={token}", "--ServerApp.root_dir={root}/notebooks",
+        "--allow-root", "--ServerApp.terminals_enabled=False",  # CI runs as root
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",
+        "--LabApp.user_settings_dir={root}/settings", "--LabApp.workspaces_dir={root}/workspaces",
+    ),
+    path="/lab/tree/status.ipynb",
+    cell=".jp-Notebook .jp-Cell",
+    prompt=".jp-InputPrompt",
+    output=".jp-OutputArea",
+    idle=".jp-Notebook-ExecutionIndicator[data-status='idle']",
 )
+CLASSIC = FrontEnd(
+    name="classic Notebook 6.5",
+    command=(
+        "notebook", "--no-browser",
+        "--NotebookApp.ip=127.0.0.1", "--NotebookApp.port={port}", "--NotebookApp.port_retries=0",
+        "--NotebookApp.token={token}", "--NotebookApp.notebook_dir={root}/notebooks",
+        "--allow-root", "--NotebookApp.terminals_enabled=False",
+    ),
+    path="/notebooks/status.ipynb",
+    cell="#notebook-container .cell.code_cell",
+    prompt=".input_prompt",
+    output=".output_wrapper",
+    idle="#kernel_indicator_icon.kernel_idle_icon",
+)
+
+
+def front_end_for_this_stack() -> tuple[FrontEnd, str | None]:
+    """The front end that goes with the installed ipywidgets, and why it cannot run here (or None)."""
+    if version("ipywidgets")[:1] == (7,):
+        if version("notebook")[:2] != (6, 5) or version("widgetsnbextension")[:2] != (3, 6):
+            return CLASSIC, ("ipywidgets 7 is rendered here by classic Notebook 6.5 with widgetsnbextension 3.6: "
+                             "scripts/setup-venv --stack colab installs them")
+        return CLASSIC, None
+    if not version("jupyterlab"):
+        return LAB, "JupyterLab is not installed: pip install -e '.[test]'"
+    return LAB, None
+
+
+FRONT_END, FRONT_END_MISSING = front_end_for_this_stack()
+# ipykernel 7.4's subshells let the Interrupt button be heard while a cell runs.
+LIVE_INTERRUPT = version("ipykernel") >= (7, 4)
+
+pytestmark = [
+    pytest.mark.skipif(
+        not os.access(CHROMIUM, os.X_OK),
+        reason=f"Chromium not found at {CHROMIUM}: run scripts/install-browser (Debian's chromium) to run this test",
+    ),
+    pytest.mark.skipif(FRONT_END_MISSING is not None, reason=FRONT_END_MISSING or ""),
+]
 
 CELLS = [
     "%load_ext xla_magic",
@@ -52,6 +137,10 @@ CELLS = [
     "print('hello from rank', rank, 'of', world_size)\nfloat(x.sum().cpu())",
     "%xla_status",
     "%%xla_spawn --devices 2\nimport time\nprint('working', rank, flush=True)\nwhile True:\n    time.sleep(0.05)",
+    "%xla_pool start --devices 2 --backend cpu",
+    # The panel redraws when a run changes; the pool becomes current just
+    # after its start run ends, so the panel is shown again to catch up.
+    "%xla_status",
 ]
 
 
@@ -61,11 +150,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Lab:
-    """A JupyterLab server on 127.0.0.1 with a token, in a private directory."""
+class Server:
+    """The front end's server on 127.0.0.1 with a token, in a private directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, front_end: FrontEnd) -> None:
         self.root = root
+        self.front_end = front_end
         self.port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -82,17 +172,9 @@ class Lab:
             JUPYTER_DATA_DIR=str(root / "data"),
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         )
-        self.log = open(root / "lab.log", "wb")
+        self.log = open(root / "server.log", "wb")
         self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "jupyterlab", "--no-browser",
-                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root / 'notebooks'}",
-                "--allow-root", "--ServerApp.terminals_enabled=False",  # CI runs as root
-                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-                "--LabApp.extension_manager=readonly",
-                f"--LabApp.user_settings_dir={root / 'settings'}", f"--LabApp.workspaces_dir={root / 'workspaces'}",
-            ],
+            front_end.argv(self.port, self.token, root),
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )
 
@@ -114,10 +196,10 @@ class Lab:
                 return
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.25)
-        raise RuntimeError(f"JupyterLab did not start; see {self.root / 'lab.log'}:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.front_end.name} did not start; see {self.root / 'server.log'}:\n{self.log_tail()}")
 
     def log_tail(self) -> str:
-        return (self.root / "lab.log").read_text(errors="replace")[-3000:]
+        return (self.root / "server.log").read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
         try:
@@ -136,93 +218,97 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lab")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frontend")
     (root / "notebooks").mkdir()
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in CELLS])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, root / "notebooks" / "status.ipynb")
-    server = Lab(root)
+    running = Server(root, FRONT_END)
     try:
-        server.wait_ready()
-        yield server
+        running.wait_ready()
+        yield running
     finally:
-        server.stop()
+        running.stop()
 
 
 @pytest.fixture(scope="module")
-def page(lab):
+def page(server):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             tab = browser.new_page(viewport={"width": 1280, "height": 1000})
             tab.set_default_timeout(WAIT_MS)
-            tab.goto(f"{lab.url}/lab/tree/status.ipynb?token={lab.token}")
-            tab.wait_for_selector(".jp-Notebook .jp-Cell")
-            tab.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+            if FRONT_END is LAB:
+                # On a loaded machine JupyterLab may open the notebook before it has
+                # the kernel specs and ask which kernel to use; a person picks the one offered.
+                kernel_dialog = tab.locator(".jp-Dialog").filter(has_text="Select Kernel")
+                tab.add_locator_handler(
+                    kernel_dialog, lambda dialog: dialog.get_by_role("button", name="Select", exact=True).click()
+                )
+            tab.goto(f"{server.url}{FRONT_END.path}?token={server.token}")
+            tab.wait_for_selector(FRONT_END.cell)
+            tab.wait_for_selector(FRONT_END.idle)
             yield tab
         finally:
             browser.close()
 
 
 @contextlib.contextmanager
-def evidence(page, lab, name: str):
+def evidence(page, server, name: str):
     """On failure, keep a screenshot of the page and the server's log beside it."""
     try:
         yield
     except BaseException:
-        path = lab.root / f"{name}-failure.png"
+        path = server.root / f"{name}-failure.png"
         page.screenshot(path=str(path))
-        print(f"page at failure: {path}\nJupyterLab log:\n{lab.log_tail()}")
+        print(f"page at failure: {path}\n{server.front_end.name} log:\n{server.log_tail()}")
         raise
 
 
 def cell(page, index: int):
-    return page.locator(".jp-Notebook .jp-Cell").nth(index)
+    return page.locator(FRONT_END.cell).nth(index)
 
 
-def prompt(page, index: int) -> str:
-    return cell(page, index).locator(".jp-InputPrompt").inner_text().strip()
+def prompt_js(index: int) -> str:
+    """JavaScript for the text of cell ``index``'s input prompt ("[1]:"; classic: "In [1]:")."""
+    return (
+        f"document.querySelectorAll({json.dumps(FRONT_END.cell)})[{index}]"
+        f".querySelector({json.dumps(FRONT_END.prompt)}).textContent.trim()"
+    )
 
 
 def run_cell(page, index: int) -> None:
     """Select a cell and run it with Shift+Enter, as a person does.
 
-    Right after the page loads, JupyterLab may still move the focus and
+    Right after the page loads, the front end may still move the focus and
     swallow a key; so check that the cell was queued ("[*]:" or a count)
     and press again if it was not.
     """
     for _attempt in range(3):
-        cell(page, index).locator(".jp-InputPrompt").click()
+        cell(page, index).locator(FRONT_END.prompt).click()
         page.keyboard.press("Escape")
         page.keyboard.press("Shift+Enter")
         try:
-            page.wait_for_function(
-                f"document.querySelectorAll('.jp-Notebook .jp-Cell')[{index}]"
-                ".querySelector('.jp-InputPrompt').textContent.trim() !== '[ ]:'",
-                timeout=5_000,
-            )
+            page.wait_for_function(f"!/\\[\\s*\\]:$/.test({prompt_js(index)})", timeout=5_000)
             return
         except PlaywrightTimeout:
             continue
-    raise AssertionError(f"cell {index} could not be started; its prompt shows {prompt(page, index)!r}")
+    shown = cell(page, index).locator(FRONT_END.prompt).inner_text().strip()
+    raise AssertionError(f"cell {index} could not be started; its prompt shows {shown!r}")
 
 
 def run_and_wait(page, index: int) -> None:
     run_cell(page, index)
-    page.wait_for_function(
-        f"/^\\[\\d+\\]:$/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[{index}]"
-        ".querySelector('.jp-InputPrompt').textContent.trim())",
-        timeout=WAIT_MS,
-    )
+    page.wait_for_function(f"/\\[\\d+\\]:$/.test({prompt_js(index)})", timeout=WAIT_MS)
 
 
 def panel_rows(page, state: str):
     return page.locator(f".xla-status-panel tr.xla-rank[data-state='{state}']")
 
 
-def test_status_panel_shows_eight_done_ranks_and_the_xla_free_badge(page, lab):
-    with evidence(page, lab, "panel"):
+def test_status_panel_shows_eight_done_ranks_and_the_xla_free_badge(page, server):
+    with evidence(page, server, "panel"):
         check_status_panel(page)
 
 
@@ -239,18 +325,19 @@ def check_status_panel(page) -> None:
     badge = panel.locator(".xla-badge.xla-free")
     assert badge.inner_text().strip() == "✔ kernel is XLA-free"
     assert "CPU simulation, 8 devices" in panel.inner_text()
-    assert "torch_xla 2.9" in panel.inner_text()
-    outputs = cell(page, 1).locator(".jp-OutputArea")
+    assert f"torch_xla {metadata.version('torch_xla')}," in panel.inner_text()  # what this stack's venv has
+    outputs = cell(page, 1).locator(FRONT_END.output)
     for rank in range(8):
         assert f"[rank {rank}] hello from rank {rank} of 8" in outputs.inner_text()
     assert "[0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]" in outputs.inner_text()
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    panel.screenshot(path=str(IMAGES / "status_panel.png"))
-    cell(page, 1).screenshot(path=str(IMAGES / "tagged_output.png"))
+    if FRONT_END is LAB:  # the README's pictures
+        IMAGES.mkdir(parents=True, exist_ok=True)
+        panel.screenshot(path=str(IMAGES / "status_panel.png"))
+        cell(page, 1).screenshot(path=str(IMAGES / "tagged_output.png"))
 
 
-def test_interrupt_button_stops_a_running_cell(page, lab):
-    with evidence(page, lab, "interrupt"):
+def test_interrupt_button_stops_a_running_cell_or_says_what_it_needs(page, server):
+    with evidence(page, server, "interrupt"):
         check_interrupt_button(page)
 
 
@@ -266,10 +353,40 @@ def check_interrupt_button(page) -> None:
     )
     button = panel.get_by_role("button", name="Interrupt run")
     assert button.is_enabled()
-    button.click()
-    output = cell(page, 3).locator(".jp-OutputArea")
+    if LIVE_INTERRUPT:
+        assert "ipykernel 7.4" not in panel.inner_text()
+        button.click()
+    else:  # the panel says which version the button needs, and the stop button still works
+        assert "ipykernel 7.4 or later" in panel.inner_text()
+        assert "notebook's stop button" in panel.inner_text()
+        cell(page, 3).locator(FRONT_END.prompt).click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("i")
+        page.keyboard.press("i")  # the front end's "interrupt the kernel"
+    output = cell(page, 3).locator(FRONT_END.output)
     output.get_by_text("RunInterrupted").wait_for()
     page.locator(".xla-status-panel .xla-run[data-outcome='interrupted']").wait_for()
     assert panel_rows(page, "killed").count() == 2
     assert button.is_disabled()
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")  # the kernel is free again
+    page.wait_for_selector(FRONT_END.idle)  # the kernel is free again
+
+
+def test_stop_pool_button_stops_the_pool(page, server):
+    with evidence(page, server, "stop-pool"):
+        check_stop_pool_button(page)
+
+
+def check_stop_pool_button(page) -> None:
+    first_view = page.locator(".xla-status-panel").first
+    button = first_view.get_by_role("button", name="Stop pool")
+    assert button.is_disabled()
+    run_and_wait(page, 4)  # %xla_pool start
+    run_and_wait(page, 5)  # %xla_status again: one panel, two live views
+    assert page.locator(".xla-status-panel").count() == 2
+    first_view.get_by_text("ready: 2 ranks on the cpu backend").wait_for()
+    assert button.is_enabled()
+    button.click()
+    first_view.get_by_text("pool stopped").wait_for()
+    first_view.get_by_text("none (%xla_pool start").wait_for()
+    assert button.is_disabled()
+    assert "pool stopped" in page.locator(".xla-status-panel").nth(1).inner_text()

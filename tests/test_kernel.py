@@ -129,7 +129,9 @@ class Kernel:
             if on_output is not None:
                 on_output("".join(chunks))
 
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook)
+        # stop_on_error=False: ipykernel 6 would otherwise abort the next request if it
+        # arrives just after an expected error (Colab's stack).
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook, stop_on_error=False)
         return reply["content"], re.sub(r"\x1b\[[0-9;]*m", "", "".join(chunks))
 
     @property

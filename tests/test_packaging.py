@@ -5,6 +5,9 @@ system site-packages and gets only the wheel's own requirements (from the
 package index), which is what a Colab or Kaggle user installs next to the
 image's torch: the extension must load there, register its magics, import
 neither torch nor torch_xla, and say what to install when a cell needs them.
+A second environment holds Colab's pins (scripts/stacks/colab.txt): there
+installing the wheel, with or without ``--no-deps``, must change nothing and
+leave ``pip check`` with nothing to say about xla_magic.
 """
 
 from __future__ import annotations
@@ -121,3 +124,36 @@ def test_wheel_loads_in_a_clean_environment(wheel, tmp_path, ip):
     assert found["spawn_error"] and "torch_xla" in found["spawn_error"]
     assert "xla_magic[local]" in found["spawn_error"]
     assert found["imported_after_spawn"] == []
+
+
+def colab_kernel_side_pins() -> list[str]:
+    """Colab's pins from scripts/stacks/colab.txt, without torch/torch_xla (the wheel never touches those)."""
+    lines = (ROOT / "scripts" / "stacks" / "colab.txt").read_text().splitlines()
+    pins = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return [pin for pin in pins if requirement_name(pin) not in {"torch", "torch-xla"}]
+
+
+def freeze(python: str, cwd: Path) -> set[str]:
+    lines = run([python, "-m", "pip", "freeze", "--all"], cwd=cwd).splitlines()
+    return {line for line in lines if not requirement_name(line).startswith("xla-magic")}
+
+
+def complaints_about_us(python: str, cwd: Path) -> list[str]:
+    done = subprocess.run([python, "-m", "pip", "check"], cwd=cwd, capture_output=True, text=True)
+    return [line for line in (done.stdout + done.stderr).splitlines() if "xla" in line.lower()]
+
+
+@pytest.mark.parametrize("no_deps", [True, False], ids=["--no-deps", "with-deps"])
+def test_installing_on_colabs_pins_changes_nothing(wheel, tmp_path, no_deps):
+    venv = tmp_path / "colab"
+    run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+    python = str(venv / "bin" / "python")
+    pins = colab_kernel_side_pins()
+    assert "ipython==7.34.0" in pins and "ipywidgets==7.7.1" in pins
+    run([python, "-m", "pip", "install", "-q", *pins], cwd=tmp_path)
+    before = freeze(python, tmp_path)
+
+    run([python, "-m", "pip", "install", "-q", *(["--no-deps"] if no_deps else []), str(wheel)], cwd=tmp_path)
+    assert freeze(python, tmp_path) == before
+    assert any(requirement_name(line) == "xla-magic" for line in run([python, "-m", "pip", "freeze"], cwd=tmp_path).splitlines())
+    assert complaints_about_us(python, tmp_path) == []

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from html.parser import HTMLParser
+from importlib import metadata
 
 import psutil
 import pytest
@@ -69,7 +70,7 @@ def test_text_outside_a_notebook_says_how_to_get_the_widget(ip, spawn):
     text = captured.stdout
     assert "CPU simulation, 8 devices" in text
     assert "kernel is XLA-free" in text
-    assert "torch_xla 2.9" in text
+    assert f"torch_xla {metadata.version('torch_xla')}," in text  # what this stack's venv has
     assert "Launcher: running, pid" in text
     assert "pip install ipywidgets" in text
     run = ip._xla_magic_session.history[-1]
@@ -93,7 +94,7 @@ def test_panel_after_a_run_that_succeeds(ip, spawn, panel):
     assert history_rows(panel)[0]["cells"][1] == "for i in range(3):"
     assert panel.interrupt.disabled
     assert "kernel is XLA-free" in panel.facts.value
-    assert "torch_xla 2.9" in panel.facts.value
+    assert f"torch_xla {metadata.version('torch_xla')}," in panel.facts.value
     assert kernel_is_xla_free()
 
 
@@ -134,6 +135,13 @@ def test_interrupt_button_stops_the_run_and_the_panel_shows_it(ip, spawn, panel)
     assert history_rows(panel)[0]["outcome"] == "interrupted"
     assert panel.interrupt.disabled
     assert spawn("--devices 2", "rank").value == [0, 1]  # the next cell works
+
+
+def test_without_a_kernel_subshell_the_panel_says_what_the_interrupt_button_needs(panel):
+    panel.redraw()
+    assert not panel.live_interrupt  # this shell has no kernel, so no subshell
+    assert widget.LIVE_INTERRUPT_NEEDS in panel.message.value
+    assert "stop button" in panel.message.value
 
 
 def test_panel_follows_new_runs_after_listeners_were_cleared(ip, spawn, panel):

@@ -27,8 +27,14 @@ DEFAULT_LINES_PER_RANK = 1000
 
 
 def in_notebook(shell: object) -> bool:
-    """A Jupyter kernel's shell, where display areas and widgets render."""
-    return type(shell).__name__ == "ZMQInteractiveShell"
+    """A Jupyter kernel's shell, where display areas and widgets render.
+
+    ipykernel's ``ZMQInteractiveShell`` or any subclass (Colab's
+    ``google.colab._shell.Shell`` is one). A shell of that kind exists only
+    once ipykernel is imported, so ipykernel is never imported here.
+    """
+    zmqshell = sys.modules.get("ipykernel.zmqshell")
+    return zmqshell is not None and isinstance(shell, zmqshell.ZMQInteractiveShell)
 
 
 def tag(rank: int, stream: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import html
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -38,10 +39,14 @@ WIDGET_HINT = (
     "For the live panel, run %xla_status in Jupyter (JupyterLab, Notebook 7, VS Code, "
     "Colab) with ipywidgets installed: pip install ipywidgets"
 )
-NO_LIVE_INTERRUPT = (
-    "This kernel handles widget clicks only between cells (kernel subshells need "
-    "ipykernel 7.4 or later): stop a running cell with the notebook's stop button."
-)
+# What each version needs, in one place. The panel uses only widgets and
+# traits that ipywidgets 7.7.1 (Colab's) and 8.x both have, with the same
+# names: HTML.value, Button (description, icon, button_style, tooltip,
+# disabled, on_click, click), HBox/VBox and add_class; both display through
+# IPython's display(). What differs is the kernel's: a click heard while a cell
+# runs needs ipykernel 7.4 (comm messages routed to a subshell), whichever
+# ipywidgets is installed. Without it clicks arrive after the cell.
+LIVE_INTERRUPT_NEEDS = "ipykernel 7.4 or later"
 STATE_COLOURS = {
     "starting": "#757575",
     "running": "#1565c0",
@@ -380,7 +385,7 @@ class StatusPanel:
         if running and snap.run.interrupt_requested:
             notes.append("interrupt requested: stopping the ranks")
         if not self.live_interrupt:
-            notes.append(NO_LIVE_INTERRUPT)
+            notes.append(no_live_interrupt_note())
         self.message.value = "".join(
             f'<div class="xla-status"><span class="xla-note">{html.escape(note)}</span></div>' for note in notes if note
         )
@@ -402,6 +407,16 @@ class StatusPanel:
             self._say(f"stopping the pool failed: {type(exc).__name__}: {exc}")
         finally:
             self.redraw()
+
+
+def no_live_interrupt_note() -> str:
+    """Why the Interrupt button cannot stop a running cell here, and what to use instead."""
+    ipykernel = sys.modules.get("ipykernel")
+    kernel = f"this kernel (ipykernel {ipykernel.__version__})" if ipykernel is not None else "this kernel"
+    return (
+        f"The Interrupt button stops a running cell with {LIVE_INTERRUPT_NEEDS} (kernel subshells); "
+        f"{kernel} handles widget clicks only between cells. Stop a running cell with the notebook's stop button."
+    )
 
 
 def route_to_subshell(button: Any, kernel: Any) -> bool:

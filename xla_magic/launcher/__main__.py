@@ -24,8 +24,31 @@ from xla_magic.launcher import lifetime
 MAX_FDS = 253  # SCM_RIGHTS limit on Linux
 
 
+# torch 2.8 starts inductor's compile-worker pool (a pool process and its
+# workers, for the whole session) as soon as torch._inductor.async_compile is
+# imported, when triton is installed, as it is with torch's CUDA wheels.
+# torch_xla 2.8 imports it on the way: torch_xla/__init__ -> stablehlo ->
+# _dynamo.dynamo_bridge -> torch._inductor.fx_passes.post_grad -> ... ->
+# select_algorithm -> async_compile. Ranks compile for XLA, not with inductor,
+# and a cell that does use inductor still gets a pool on first use.
+# TORCH_WARM_POOL=0 is that module's own switch. torch 2.9 warms the pool only
+# when the inductor backend is first used, so there it changes nothing.
+WARM_POOL = "TORCH_WARM_POOL"
+
+
 def import_runtime() -> dict[str, str]:
-    """Import what every rank needs, without touching any device."""
+    """Import what every rank needs, without touching any device or starting helpers."""
+    set_here = WARM_POOL not in os.environ  # a user's own setting wins
+    if set_here:
+        os.environ[WARM_POOL] = "0"
+    try:
+        return _import_runtime()
+    finally:
+        if set_here:  # the ranks get the environment the kernel gave
+            del os.environ[WARM_POOL]
+
+
+def _import_runtime() -> dict[str, str]:
     import torch
     import torch.distributed  # noqa: F401
     import torch_xla
