@@ -45,6 +45,9 @@ RESULT = "result"
 ERROR = "error"
 STATUS = "status"
 DONE = "done"
+# rank -> kernel, while a cell runs: something to display in the cell, as plain
+# data (``what`` names the kernel's view of it, e.g. "sharding")
+DISPLAY = "display"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"

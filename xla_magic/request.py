@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol, transport
+from xla_magic import protocol, sharding, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
@@ -65,6 +65,7 @@ class RunRecord:
     cell: str
     backend: str
     devices: int
+    mesh: str = ""  # an SPMD run's mesh, as in "data=4 × model=2"; empty for one rank per device
     started: float = field(default_factory=time.time)
     duration: float | None = None
     outcome: str = "running"
@@ -100,14 +101,15 @@ class Request:
         self.frame = frame  # None: it went with the ranks' job, or there is nothing to send (a start)
         self.has_result = has_result
         self.timeout = timeout
-        self.targets = list(range(ranks.devices)) if targets is None else targets
+        self.targets = list(range(ranks.size)) if targets is None else targets
         self.on_update = on_update
         self.sent = frame is None
         self.delivered = frame is None  # every asked rank got the whole request
-        self._live = LiveLines() if live_lines else None
+        self._live = LiveLines(label=ranks.label) if live_lines else None
         # Folded logs outlive the request: the cell printed their paths.
         self.output = TaggedOutput(
-            log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live
+            log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live,
+            label=ranks.label,
         )
         self.results: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
@@ -120,13 +122,13 @@ class Request:
         self.stopped_pids: set[int] = set()  # rank processes seen stopped (SIGSTOP)
         self._last_tick = 0.0
         self._lines_counted = 0
-        record.ranks = {rank: RankState(pid=ranks.pids.get(rank)) for rank in range(ranks.devices)}
+        record.ranks = {rank: RankState(pid=ranks.pids.get(rank)) for rank in range(ranks.size)}
 
     # -- starting --------------------------------------------------------
 
     def start(self) -> None:
         """Check that the ranks can take the request; a kept set first reads its news from between requests."""
-        for rank in range(self.ranks.devices):
+        for rank in range(self.ranks.size):
             if rank not in self.targets:
                 self.done.add(rank)
                 self.record.ranks[rank].state = "done"
@@ -158,8 +160,8 @@ class Request:
                 try:
                     self.ranks.send(rank, self.frame)
                 except OSError as exc:
-                    self.ranks.mark_broken(f"rank {rank} could not be reached ({exc})")
-                    self._fail(rank, "RankDied", f"rank {rank} could not be reached: {exc}")
+                    self.ranks.mark_broken(f"{self.ranks.name(rank)} could not be reached ({exc})")
+                    self._fail(rank, "RankDied", f"{self.ranks.name(rank)} could not be reached: {exc}")
                     self.done.add(rank)
                     continue
                 asked.add(rank)
@@ -200,7 +202,7 @@ class Request:
         self._finish("done")
         if not self.has_result:
             return None
-        return [self.results.get(rank) for rank in range(self.ranks.devices)]
+        return [self.results.get(rank) for rank in range(self.ranks.size)]
 
     def _after(self) -> None:
         """However the request ended: the output it left, its untaken results, the set's state."""
@@ -258,7 +260,7 @@ class Request:
                 self.stopped_pids.add(pid)
                 for rank in ranks:
                     self._rank_state(rank, "stopped")
-                print(f"[rank {', '.join(map(str, ranks))}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
+                print(f"[{self._tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
                       f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell.",
                       flush=True)
             elif not stopped and pid in self.stopped_pids:
@@ -321,7 +323,7 @@ class Request:
         elif conn.kind == "events" and conn.rank in self.targets and not self._settled(conn.rank):
             self._lose(conn.rank)
         if conn.kind in ("supervisor", "events") and self.ranks.keep and self.ranks.state != "stopped":
-            who = "the pool's supervisor" if conn.rank is None else f"rank {conn.rank}"
+            who = "the pool's supervisor" if conn.rank is None else self.ranks.name(conn.rank)
             self.ranks.mark_broken(self.ranks.launcher_death() or f"{who} ended", guess=True)
 
     def _lose(self, rank: int) -> None:
@@ -340,6 +342,8 @@ class Request:
             self._handle_supervisor(kind, fields)
         elif kind == protocol.STATUS:
             self._take_status(rank, fields)
+        elif kind == protocol.DISPLAY:
+            self._show(rank, fields)
         elif fields.get("seq") != self.seq:
             return  # a reply to a request the kernel gave up on
         elif kind == protocol.RESULT:
@@ -367,6 +371,20 @@ class Request:
         else:
             self.on_update(self.record)
 
+    def _show(self, rank: int, fields: dict[str, Any]) -> None:
+        """Display what a rank asked to show, after the output it wrote before asking."""
+        self._drain([self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
+        view = VIEWS.get(fields.get("what"))
+        if view is None:
+            print(f"[{self.ranks.label(rank)}] (nothing to show for {fields.get('what')!r})")
+            return
+        from IPython.display import display
+
+        try:
+            display(view(fields["data"]))
+        except Exception as exc:  # a bad description must not end the request
+            print(f"[{self.ranks.label(rank)}] could not show {fields.get('what')}: {type(exc).__name__}: {exc}")
+
     def _handle_supervisor(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == protocol.SPAWNED:
             for rank, pid in fields["pids"].items():
@@ -375,14 +393,14 @@ class Request:
             rank, code = fields["rank"], fields["code"]
             self.exit_codes[rank] = code
             if self.ranks.keep:
-                self.ranks.mark_broken(f"rank {rank} died: {describe_exit(code)}")
+                self.ranks.mark_broken(f"{self.ranks.name(rank)} died: {describe_exit(code)}")
             # Its last words may still sit in its sockets (its children may
             # hold them open, so no end-of-file need come): read them now.
             self._drain([self.ranks.events[rank], self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
             if rank in self.targets and not self._settled(rank):
                 self._lose(rank)
             if code != 0 and rank not in self.failures and rank not in self.done and self.stop_reason is None:
-                self._fail(rank, "RankDied", f"rank {rank} died: {describe_exit(code)}", exit_code=code)
+                self._fail(rank, "RankDied", f"{self.ranks.name(rank)} died: {describe_exit(code)}", exit_code=code)
         elif kind == protocol.ENDED:
             self._supervisor_ended(fields.get("error"))
 
@@ -400,7 +418,7 @@ class Request:
         self.ranks.mark_broken(death or f"the pool's rank processes ended{cause}")
         for rank in self._unsettled():
             if rank not in self.failures and self.stop_reason is None:
-                self._fail(rank, "RankDied", death or f"rank {rank}'s process ended{cause}")
+                self._fail(rank, "RankDied", death or f"{self.ranks.name(rank)}'s process ended{cause}")
 
     def _take_result(self, rank: int, fields: dict[str, Any]) -> None:
         if fields.get("empty"):
@@ -415,7 +433,7 @@ class Request:
             self._fail(
                 rank,
                 type(exc).__name__,
-                f"the kernel could not load rank {rank}'s result: {exc!r}. "
+                f"the kernel could not load {self.ranks.name(rank)}'s result: {exc!r}. "
                 f"Return types the kernel can import (tensors, numbers, dicts).",
             )
 
@@ -442,11 +460,11 @@ class Request:
                 # The tpu path: the rank's process died mid-cell and xmp.spawn
                 # raised; its traceback is torch_xla's, its last line the news.
                 cause = self.launch_error.strip().splitlines()[-1]
-                self._fail(rank, "RankDied", f"rank {rank}'s process ended during the cell: {cause}")
+                self._fail(rank, "RankDied", f"{self.ranks.name(rank)}'s process ended during the cell: {cause}")
             elif self.launch_error and code is None:
                 self._fail(rank, "LaunchError", "the ranks could not be started", self.launch_error)
             else:
-                self._fail(rank, "RankDied", f"rank {rank} ended without reporting: {describe_exit(code)}",
+                self._fail(rank, "RankDied", f"{self.ranks.name(rank)} ended without reporting: {describe_exit(code)}",
                            exit_code=code)
 
     # -- stopping --------------------------------------------------------
@@ -537,6 +555,9 @@ class Request:
             state.lines += batch
             state.last_line = line
 
+    def _tag_of(self, ranks: list[int]) -> str:
+        return self.ranks.label(ranks[0]) if self.ranks.one_value else f"rank {_listed(ranks)}"
+
     def _rank_state(self, rank: int, value: str) -> None:
         state = self.record.ranks[rank]
         if state.state in ("failed", "killed"):
@@ -564,7 +585,7 @@ class Request:
 
     def _failure_summary(self) -> str:
         ranks = sorted(r for r in self.failures if r >= 0)
-        summary = f"rank(s) {_listed(ranks)} failed"
+        summary = "the SPMD process failed" if self.ranks.one_value else f"rank(s) {_listed(ranks)} failed"
         if self.stop_reason == "failure" and len(ranks) < len(self.targets):
             summary += "; the other ranks were stopped" if not self.ranks.keep else "; the others' cells were stopped"
         if self.ranks.keep and self.ranks.state == "broken":
@@ -583,7 +604,11 @@ class Request:
     def _error(self, summary: str) -> RankError:
         if self.record.outcome == "running":
             self._finish("timeout" if self.stop_reason == "timeout" else "failed")
-        return RankError(list(self.failures.values()), dict(self.results), summary)
+        return RankError(list(self.failures.values()), dict(self.results), summary, label=self.ranks.label)
+
+
+# What a rank may ask the kernel to display (protocol.DISPLAY's ``what``), and the view that draws it.
+VIEWS: dict[str, Callable[[Any], Any]] = {"sharding": sharding.ShardingView}
 
 
 def _listed(ranks: list[int]) -> str:

@@ -161,6 +161,7 @@ class RankServer:
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None
         self.children = lifetime.ChildWatch()
+        rank_module.set_display(self.display)
         self._filename = "<xla_pool>"
         self._results: transport.SegmentWriter | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
@@ -218,6 +219,11 @@ class RankServer:
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started)
         with self.channel.lock:
             self.channel.sock.sendall(reply + done if reply else done)
+
+    def display(self, what: str, data: Any) -> None:
+        """Ask the kernel to display ``data`` (its view for ``what``) in the running cell, after the output so far."""
+        self.flush_output()
+        self.channel.send(protocol.DISPLAY, what=what, data=data)
 
     def flush_output(self) -> None:
         self.streams.flush()
