@@ -372,18 +372,27 @@ class Request:
             self.on_update(self.record)
 
     def _show(self, rank: int, fields: dict[str, Any]) -> None:
-        """Display what a rank asked to show, after the output it wrote before asking."""
+        """Display what a rank asked to show, after the output it wrote before asking; then let it go on."""
         self._drain([self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
-        view = VIEWS.get(fields.get("what"))
-        if view is None:
-            print(f"[{self.ranks.label(rank)}] (nothing to show for {fields.get('what')!r})")
-            return
+        try:
+            self._display(rank, fields.get("what"), fields.get("data"))
+        finally:
+            try:
+                self.ranks.send(rank, protocol.encode(protocol.SHOWN))
+            except OSError:
+                pass  # the rank is gone; its events socket says so
+
+    def _display(self, rank: int, what: Any, data: Any) -> None:
         from IPython.display import display
 
+        view = VIEWS.get(what)
+        if view is None:
+            print(f"[{self.ranks.label(rank)}] (nothing to show for {what!r})")
+            return
         try:
-            display(view(fields["data"]))
+            display(view(data))
         except Exception as exc:  # a bad description must not end the request
-            print(f"[{self.ranks.label(rank)}] could not show {fields.get('what')}: {type(exc).__name__}: {exc}")
+            print(f"[{self.ranks.label(rank)}] could not show {what}: {type(exc).__name__}: {exc}")
 
     def _handle_supervisor(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == protocol.SPAWNED:

@@ -26,6 +26,7 @@ import builtins
 import io
 import os
 import pickle
+import select
 import threading
 import time
 import types
@@ -35,6 +36,7 @@ from xla_magic import protocol, transport
 from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module
 
 _COMPILED_CELLS_KEPT = 64
+DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
 START_SEQ = 0  # the seq of a pool's start: every rank's ready answers it
 
 
@@ -179,6 +181,8 @@ class RankServer:
                 return
             if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                 return
+            if request.kind == protocol.SHOWN:
+                continue  # the answer to a display that an interrupt stopped waiting for
             try:
                 self.answer(request)
             except OSError:
@@ -221,9 +225,20 @@ class RankServer:
             self.channel.sock.sendall(reply + done if reply else done)
 
     def display(self, what: str, data: Any) -> None:
-        """Ask the kernel to display ``data`` (its view for ``what``) in the running cell, after the output so far."""
+        """Have the kernel display ``data`` (its view for ``what``) in the running cell, after the output so far.
+
+        Waits (up to DISPLAY_WAIT) until the kernel says it is shown, so the
+        cell's next lines come after it: output and events travel on
+        different sockets, read in whatever order they arrive.
+        """
         self.flush_output()
         self.channel.send(protocol.DISPLAY, what=what, data=data)
+        deadline = time.monotonic() + DISPLAY_WAIT
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.channel.sock], [], [], max(0.0, deadline - time.monotonic()))
+            if ready:
+                self.channel.recv()  # SHOWN: the kernel sends nothing else while a cell runs
+                return
 
     def flush_output(self) -> None:
         self.streams.flush()
