@@ -85,7 +85,8 @@ class XlaMagics(Magics):
     @magic_arguments()
     @argument(
         "-n", "--devices", type=device_count, default=None,
-        help="number of ranks (default: every TPU device, or 8 in the CPU simulation)",
+        help="number of devices, one rank each, or all driven by the one process with --spmd (default: every "
+        "TPU device, or 8 in the CPU simulation)",
     )
     @argument(
         "-b", "--backend", default="auto", choices=("auto", "tpu", "cpu"),
