@@ -16,6 +16,7 @@ import signal
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -30,6 +31,7 @@ from xla_magic import sharding, transport
 from xla_magic.display import RankError, RunInterrupted
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cell(ip, line: str, source: str) -> tuple:
@@ -377,3 +379,15 @@ def test_default_axes_stay_in_step_with_the_launcher_side():
 
     assert sharding.SpmdOptions().layout(8) == ((8,), spmd.DEFAULT_AXES[1])
     assert sharding.SpmdOptions("4,2", None).options() == "--mesh 4,2"
+
+
+def test_the_readmes_fsdpv2_example_shows_what_it_prints(ip):
+    text = (ROOT / "README.md").read_text()
+    example = re.search(r"```python\n(%%xla_spawn --spmd[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
+    assert example, "README's SPMD example and its output are missing"
+    line, body, shown = example.group(1), example.group(2), example.group(3).splitlines()
+    value, out, _err, outputs = cell(ip, line[len("%%xla_spawn"):], body)
+    assert out.splitlines() == [line for line in shown if line.startswith("[spmd]")]
+    assert repr(value) == shown[-1]
+    picture = outputs[0].data["text/plain"].splitlines()
+    assert picture[0] in shown and picture[1:4] == shown[shown.index(picture[0]) + 1 : shown.index(picture[0]) + 4]

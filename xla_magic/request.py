@@ -587,7 +587,7 @@ class Request:
 
     def _stopped_note(self) -> str:
         if not self.ranks.keep:
-            return "the ranks were stopped"
+            return "the SPMD process was stopped" if self.ranks.one_value else "the ranks were stopped"
         if self.ranks.state == "broken":
             return f"the pool is broken: {RESTART_HINT}"
         return "the pool keeps its ranks and their namespaces"
@@ -603,7 +603,8 @@ class Request:
 
     def _interrupted_message(self) -> str:
         if not self.ranks.keep:
-            return ("interrupted; the ranks were stopped (SIGINT, then SIGTERM/SIGKILL if needed). "
+            who = "the SPMD process was" if self.ranks.one_value else "the ranks were"
+            return (f"interrupted; {who} stopped (SIGINT, then SIGTERM/SIGKILL if needed). "
                     "Results of ranks that finished are on this error's .results.")
         if self.ranks.state == "broken":
             return f"interrupted; {self.ranks.problem}, so the pool is broken. {RESTART_HINT}."
