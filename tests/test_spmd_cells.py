@@ -26,7 +26,7 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 from conftest import BACKING, kernel_is_xla_free
-from test_kernel import execute, notebook, stream
+from test_kernel import execute, notebook, stream, text_of
 from xla_magic import sharding, transport
 from xla_magic.display import RankError, RunInterrupted
 
@@ -125,6 +125,16 @@ def test_a_timeout_stops_the_spmd_process(ip):
     with pytest.raises(RankError, match=r"timed out after 3 s \(--timeout\)"):
         cell(ip, "--spmd --timeout 3", "print('spinning', flush=True)\nwhile True:\n    pass\n")
     assert time.monotonic() - started < 60
+    pid = ip._xla_magic_session.history[-1].ranks[0].pid
+    assert pid is not None and not psutil.pid_exists(pid)
+
+
+def test_the_stop_button_stops_a_one_shot_spmd_cell(ip):
+    mark = os.path.join(tempfile.mkdtemp(prefix="xla_magic-test-"), "running")
+    ip.user_ns["mark"] = mark
+    interrupt_when(mark)
+    with pytest.raises(RunInterrupted, match="the SPMD process was stopped"):
+        cell(ip, "--spmd --devices 2", "open(mark, 'w').close()\nwhile True:\n    spin = 1\n")
     pid = ip._xla_magic_session.history[-1].ranks[0].pid
     assert pid is not None and not psutil.pid_exists(pid)
 
@@ -371,6 +381,24 @@ def test_spmd_cells_and_pool_in_a_real_kernel():
     assert '<div class="xla-magic-sharding"' in picture.data["text/html"]
     assert one_shot.outputs[-1].data["text/plain"] == "tensor(2016.)"  # one value
     assert nb.cells[4].outputs[-1].data["text/plain"] == "41"
+    assert "pool stopped" in stream(nb.cells[5], "stdout")
+
+
+def test_a_kernel_that_started_xla_is_refused_spmd_cells_as_rank_cells():
+    nb = execute(
+        notebook(
+            "%load_ext xla_magic",
+            "%xla_pool start --spmd --devices 2",
+            "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
+            "%%xla_spawn\nworld_size",
+            "%%xla_spawn --spmd --fresh --devices 2\nworld_size",
+            "%xla_pool stop",
+        ),
+        PJRT_DEVICE="CPU",
+    )
+    assert "pool ready" in stream(nb.cells[1], "stdout") and "2.0" in text_of(nb.cells[2])
+    for refused in (text_of(nb.cells[3]), text_of(nb.cells[4])):
+        assert "UsageError" in refused and "%%xla_spawn refused: this kernel has initialised an XLA runtime" in refused
     assert "pool stopped" in stream(nb.cells[5], "stdout")
 
 
