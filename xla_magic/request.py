@@ -5,7 +5,9 @@ with their job), a pool's start, a pool cell, a push or a pull. It runs in
 the thread that runs the cell, so output lands in the running cell and
 Ctrl-C / the stop button arrive here as KeyboardInterrupt: events and raw
 output from every rank, fail-fast, interrupt and timeout escalation,
-results.
+results, and what a rank asks to display (DISPLAY, e.g. a sharding picture).
+The set's placement names its ranks in output and errors (``[rank N]``, or
+``[spmd]`` for the one SPMD process).
 
 A request is over when every rank it asked has answered (DONE) or is gone
 (its events socket closed, or the supervisor reported its exit), whatever

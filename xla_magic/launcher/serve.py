@@ -17,7 +17,9 @@ A rank's namespace, its device and everything torch_xla caches (compiled
 graphs) live as long as the rank. Interrupts (interrupt.py): SIGINT stops
 the cell of the request being answered and nothing else. Output goes
 through capture.py. Results and pulled values travel with large tensors
-and arrays in shared memory, under the prefix the request names.
+and arrays in shared memory, under the prefix the request names. A cell
+can have the kernel display something (``show_sharding`` in an SPMD
+process): a DISPLAY event, answered by SHOWN once it is shown.
 """
 
 from __future__ import annotations
