@@ -2,18 +2,16 @@
 
 Runs as a script or under benchmarks/run.py (``main()`` returns the rows).
 The same MLP, the same global batch, the same SGD step, both on 8 XLA CPU
-devices of this machine, in one run:
+devices of this machine, both as cells in one real IPython shell, in one run:
 
-- Ours: the SPMD placement. A fresh interpreter imports torch_xla, forks,
-  and the child does what the supervisor will do for ``--spmd``
-  (``spmd.environment``, then ``spmd.setup`` with ``--mesh 8,1 --axes
-  fsdp,model``); the cell body wraps the model in FSDPv2, shards the batch
-  over ``fsdp`` and times each step (forward, backward, ``optimizer.step()``,
+- Ours: ``%%xla_spawn --spmd --mesh 8,1 --axes fsdp,model``, the SPMD
+  placement: the cell wraps the model in FSDPv2, shards the batch over
+  ``fsdp`` and times each step (forward, backward, ``optimizer.step()``,
   ``torch_xla.sync()``, waiting for the devices).
-- Baseline: one rank per device, the placement ``%%xla_spawn --backend cpu
-  --devices 8`` gives today, through a real IPython shell: each rank takes
-  its eighth of the batch and steps with ``xm.optimizer_step`` (gradients
-  averaged over the simulated ranks), timed the same way in rank 0.
+- Baseline: one rank per device, ``%%xla_spawn --backend cpu --devices 8``:
+  each rank takes its eighth of the batch and steps with
+  ``xm.optimizer_step`` (gradients averaged over the simulated ranks), timed
+  the same way in rank 0.
 
 Steps after the first WARM_UP (which compile) are timed; the figure is the
 median over ROUNDS interleaved rounds of each, so load from elsewhere hits
@@ -22,10 +20,8 @@ both alike.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,7 +66,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = inputs.to(device), targets.to(device)
 xs.mark_sharding(x, mesh, ("fsdp", None))
 xs.mark_sharding(y, mesh, ("fsdp", None))
-facts["times"] = timed_steps(model, optimizer, x, y, lambda optimizer: optimizer.step())
+timed_steps(model, optimizer, x, y, lambda optimizer: optimizer.step())
 """
 
 DATA_PARALLEL_STEP = """
@@ -82,49 +78,15 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 timed_steps(model, optimizer, x, y, xm.optimizer_step)
 """
 
-# What the supervisor will do for an SPMD cell: torch_xla imported first (the
-# launcher's), then a fork that applies the placement's environment and setup.
-SPMD_PROCESS = """
-import json, os, sys
-import torch, torch_xla
-from xla_magic.launcher import spmd
+def spmd_step_times(shell: Any) -> list[float]:
+    from IPython.utils.capture import capture_output
 
-read_end, write_end = os.pipe()
-child = os.fork()
-if child == 0:
-    code = 1
-    try:
-        os.close(read_end)
-        os.environ.update(spmd.environment({devices}, on_cpu=True))
-        namespace = dict(spmd.setup({devices}, ({devices}, 1), ("fsdp", "model")), facts={{}})
-        exec(sys.argv[1], namespace)
-        os.write(write_end, json.dumps(namespace["facts"]).encode())
-        code = 0
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-    finally:
-        os._exit(code)
-os.close(write_end)
-with os.fdopen(read_end, "rb") as reader:
-    print("FACTS " + reader.read().decode(), flush=True)
-sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
-"""
-
-
-def spmd_step_times() -> list[float]:
-    env = dict(os.environ)
-    for name in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", SPMD_PROCESS.format(devices=DEVICES), MODEL + FSDP_STEP],
-        env=env, capture_output=True, text=True, timeout=240,
-    )
-    for line in done.stdout.splitlines():
-        if line.startswith("FACTS ") and done.returncode == 0:
-            return json.loads(line[len("FACTS ") :])["times"]
-    raise RuntimeError(f"the SPMD step failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    line = f"--spmd --backend cpu --devices {DEVICES} --mesh {DEVICES},1 --axes fsdp,model"
+    with capture_output():
+        times = shell.run_cell_magic("xla_spawn", line, MODEL + FSDP_STEP)
+    if not isinstance(times, list) or len(times) != STEPS:
+        raise RuntimeError(f"the SPMD cell returned {times!r}")
+    return times
 
 
 def start_shell() -> tuple[Any, bool]:
@@ -157,7 +119,7 @@ def main() -> list[tuple[str, float, float, str, str]]:
     baseline: list[float] = []
     try:
         for _ in range(ROUNDS):
-            ours += spmd_step_times()
+            ours += spmd_step_times(shell)
             baseline += data_parallel_step_times(shell)
     finally:
         if loaded_here:
@@ -169,7 +131,7 @@ def main() -> list[tuple[str, float, float, str, str]]:
             statistics.median(ours),
             statistics.median(baseline),
             "s",
-            f"MLP of 3 {WIDTH}x{WIDTH} layers, batch {BATCH}, SGD; {steps}; "
+            f"MLP of 3 {WIDTH}x{WIDTH} layers, batch {BATCH}, SGD; {steps}; ours: %%xla_spawn --spmd; "
             "baseline: %%xla_spawn --backend cpu, xm.optimizer_step (whose gradient all-reduce, simulated, "
             "goes through gloo on the CPU)",
         )

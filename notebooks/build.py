@@ -204,6 +204,143 @@ fabric.launch(train, 15)
 '''
 
 
+# --- SPMD: one process drives every device (self-contained: the quickstart and Kaggle splice it in) ---
+
+SPMD_INPUTS = '''
+import torch
+
+torch.manual_seed(0)
+a, b = torch.randn(8, 8), torch.randn(8, 4)
+'''
+
+SPMD_MATMUL = '''
+%%xla_spawn --spmd --mesh 4,2 --out product
+import torch_xla.distributed.spmd as xs
+
+print(f"one process, {world_size} devices, mesh {dict(zip(mesh.axis_names, mesh.mesh_shape))}")
+xa, xb = a.to(device), b.to(device)
+xs.mark_sharding(xa, mesh, ("data", "model"))   # a: 4 x 2 blocks, one per device
+xs.mark_sharding(xb, mesh, (None, "model"))     # b: columns over "model", rows everywhere
+show_sharding(xa)
+xa @ xb
+'''
+
+SPMD_MATMUL_CHECK = '''
+print("one value, whole on the CPU:", type(product).__name__, tuple(product.shape), product.device)
+print("equals the kernel's a @ b:", torch.allclose(product, a @ b, atol=1e-5))
+'''
+
+FSDP_POOL_START = "%xla_pool start --spmd --mesh 8,1 --axes fsdp,model"
+
+# torch_xla's FSDPv2 example: shard the batch over "fsdp", wrap the model, step an ordinary optimizer.
+FSDP_BUILD = '''
+%%xla_spawn
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch import nn
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+torch.manual_seed(0)
+model = FSDPv2(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4)), mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(32, 16).to(device), torch.randn(32, 4).to(device)
+xs.mark_sharding(x, mesh, ("fsdp", None))
+xs.mark_sharding(y, mesh, ("fsdp", None))
+show_sharding(next(model.parameters()))   # FSDPv2 split the first weight's rows over the devices
+'''
+
+FSDP_TRAIN = '''
+%%xla_spawn
+losses = []
+for step in range(5):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    losses.append(round(loss.item(), 4))
+print("losses:", losses)   # run the cell again: training goes on from here
+losses[-1] < losses[0]
+'''
+
+
+def spmd_cells() -> list[nbformat.NotebookNode]:
+    """The quickstart's SPMD section: a sharded matmul, then FSDPv2 in an SPMD pool."""
+    return [
+        md('''
+## One process, every device: `--spmd`
+
+torch_xla recommends SPMD for new work, and FSDPv2 and tensor parallelism need
+it: one process drives all the devices, you say how tensors are sharded over a
+`mesh` of them, and the compiler splits the program. `%%xla_spawn --spmd` runs
+the cell once, in such a process (never the kernel). The cell sees `device`,
+`mesh` and `world_size` (the device count); its output is tagged `[spmd]` and
+its value is one value, whole on the CPU. `show_sharding(t)` draws which device
+holds which block of `t`.
+'''),
+        code(SPMD_INPUTS),
+        code(SPMD_MATMUL),
+        code(SPMD_MATMUL_CHECK),
+        md('''
+### FSDPv2 in an SPMD pool
+
+`%xla_pool start --spmd` keeps the SPMD process between cells, with its
+sharded model, optimiser and compiled graphs: the training cell below can be
+run again and goes on training, compiling nothing new.
+'''),
+        code(FSDP_POOL_START),
+        code(FSDP_BUILD),
+        code(FSDP_TRAIN),
+        code(POOL_STOP),
+    ]
+
+
+KAGGLE_FSDP = '''
+%%xla_spawn --spmd --mesh 8,1 --axes fsdp,model
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch import nn
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+torch.manual_seed(0)
+model = FSDPv2(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)), mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+x, y = torch.randn(64, 256).to(device), torch.randn(64, 256).to(device)
+xs.mark_sharding(x, mesh, ("fsdp", None))
+xs.mark_sharding(y, mesh, ("fsdp", None))
+for step in range(10):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    if step % 3 == 0:
+        print(f"step {step}: loss {loss.item():.4f}")
+show_sharding(next(model.parameters()))
+(world_size, round(loss.item(), 4))
+'''
+
+
+def spmd_tpu_cells() -> list[nbformat.NotebookNode]:
+    """FSDPv2 over every chip, in one SPMD process (the Kaggle notebook's v5e-8)."""
+    return [
+        md('''
+## FSDPv2 over the 8 chips: one SPMD process
+
+torch_xla's recommended way to use every chip is SPMD: one process drives all
+8 devices, and FSDPv2 shards the model's parameters over a mesh of them (here
+8 x 1, axes `fsdp` and `model`). `%%xla_spawn --spmd` starts that process
+outside the kernel; output is tagged `[spmd]` and the value is one value.
+`show_sharding` draws which chip holds which rows of the first weight;
+`%xla_pool start --spmd` would keep the process, model and compiled graphs
+between cells.
+'''),
+        code(KAGGLE_FSDP),
+    ]
+
+
 def train_cell(options: str) -> nbformat.NotebookNode:
     return code(TRAIN.format(options=options))
 
@@ -298,6 +435,7 @@ on XLA devices. The notebook's names a cell reads are still shipped to it.
     code(LIGHTNING_CHECK),
     md(LIGHTNING_FABRIC_INTRO),
     code(LIGHTNING_FABRIC),
+    *spmd_cells(),
     md('''
 ## The kernel stayed XLA-free
 
@@ -626,6 +764,7 @@ averages the gradients across ranks with torch_xla's all-reduce.
         code(DATA),
         train_cell(""),
         code(TRAIN_CHECK),
+        *(spmd_tpu_cells() if service.name == "Kaggle" else []),
         md('''
 `%xla_status` shows the devices this runtime has, whether the kernel is still
 XLA-free, and each rank of the last cell with its device memory.

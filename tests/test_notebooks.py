@@ -133,10 +133,11 @@ def test_quickstart_shows_a_failing_rank(quickstart):
 
 
 def test_quickstart_pool_keeps_what_ranks_built(quickstart):
-    assert "pool ready" in stdout(cell_with(quickstart, "%xla_pool start"))
+    assert "pool ready" in stdout(cell_with(quickstart, "%xla_pool start --devices"))
     reused = ast.literal_eval(result(cell_with(quickstart, "steps_done += 1")))
     assert reused == [(rank, 1, "xla:0") for rank in range(4)]
-    assert "pool stopped" in stdout(cell_with(quickstart, "%xla_pool stop"))
+    stops = [cell for cell in quickstart.cells if cell.source == "%xla_pool stop"]
+    assert len(stops) == 2 and all("pool stopped" in stdout(cell) for cell in stops)  # the rank pool, the SPMD one
 
 
 def test_quickstart_lightning_trains_across_the_ranks(quickstart):
@@ -165,6 +166,17 @@ def test_quickstart_status_is_a_live_panel(quickstart):
     panel = widget_text(quickstart)
     assert "kernel is XLA-free" in panel
     assert "CPU simulation, 8 devices" in panel
+
+
+def test_quickstart_spmd_section_shards_a_matmul_and_trains_fsdpv2_in_a_pool(quickstart):
+    matmul = cell_with(quickstart, "--spmd --mesh 4,2 --out product")
+    assert "[spmd] one process, 8 devices, mesh {'data': 4, 'model': 2}" in stdout(matmul)
+    pictures = [out for out in matmul.outputs if out.output_type == "display_data"]
+    assert len(pictures) == 1 and '<div class="xla-magic-sharding"' in pictures[0].data["text/html"]
+    check = stdout(cell_with(quickstart, "equals the kernel's a @ b"))
+    assert "one value, whole on the CPU: Tensor (8, 4) cpu" in check and "equals the kernel's a @ b: True" in check
+    train = cell_with(quickstart, 'print("losses:", losses)')
+    assert "[spmd] losses: [" in stdout(train) and result(train) == "True"
 
 
 def test_quickstart_runs_clean_and_leaves_the_kernel_xla_free(quickstart):
@@ -230,3 +242,6 @@ def test_tpu_notebook_runs_on_the_simulation(name):
     loaded = ast.literal_eval(result(cell_with(notebook, "--out loaded")))
     assert loaded == [256 * 256 + 256 + 256 * 10 + 10] * 8
     assert "torch_xla imported in this kernel: False" in stdout(cell_with(notebook, "torch_xla imported"))
+    if name == "kaggle_tpu.ipynb":  # FSDPv2 over every device, in one SPMD process
+        fsdp = cell_with(notebook, "--spmd --mesh 8,1 --axes fsdp,model")
+        assert "[spmd] step 9: loss" in stdout(fsdp) and result(fsdp).startswith("(8, ")

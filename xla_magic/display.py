@@ -37,10 +37,15 @@ def in_notebook(shell: object) -> bool:
     return zmqshell is not None and isinstance(shell, zmqshell.ZMQInteractiveShell)
 
 
-def tag(rank: int, stream: str) -> str:
+def rank_label(rank: int) -> str:
+    """How output and errors name a rank: ``rank N`` (an SPMD process is named ``spmd``)."""
+    return f"rank {rank}"
+
+
+def tag(rank: int, stream: str, label: Callable[[int], str] = rank_label) -> str:
     if stream == "stderr":
-        return f"{RED}[rank {rank}]{RESET} "
-    return f"[rank {rank}] "
+        return f"{RED}[{label(rank)}]{RESET} "
+    return f"[{label(rank)}] "
 
 
 def settle_carriage_returns(line: str) -> str:
@@ -82,8 +87,10 @@ class TaggedOutput:
         log_dir: Callable[[], str] | None = None,
         on_line: Callable[[int, str, str], None] | None = None,
         live: Callable[[int, str], None] | None = None,
+        label: Callable[[int], str] = rank_label,
     ) -> None:
         self.lines_per_rank = lines_per_rank
+        self.label = label
         self._log_dir = log_dir or (lambda: tempfile.mkdtemp(prefix="xla_magic-logs-"))
         self._dir: str | None = None
         self._streams: dict[tuple[int, str], _RankStream] = {}
@@ -134,7 +141,7 @@ class TaggedOutput:
             self._fold(state, folded)
 
     def _write(self, state: _RankStream, lines: list[str]) -> None:
-        prefix = tag(state.rank, state.stream)
+        prefix = tag(state.rank, state.stream, self.label)
         out = sys.stderr if state.stream == "stderr" else sys.stdout
         out.write(prefix + ("\n" + prefix).join(lines) + "\n")
 
@@ -148,7 +155,7 @@ class TaggedOutput:
             state.held = []
             out = sys.stderr if state.stream == "stderr" else sys.stdout
             out.write(
-                f"{tag(state.rank, state.stream)}... more {state.stream} than a notebook can "
+                f"{tag(state.rank, state.stream, self.label)}... more {state.stream} than a notebook can "
                 f"show; every line goes to {path}\n"
             )
         state.log.write("\n".join(lines) + "\n")
@@ -161,7 +168,8 @@ class TaggedOutput:
 class LiveLines:
     """Per-rank display areas for lines rewritten with ``\\r`` (notebooks only)."""
 
-    def __init__(self, min_interval: float = 0.1) -> None:
+    def __init__(self, min_interval: float = 0.1, label: Callable[[int], str] = rank_label) -> None:
+        self.label = label
         self._handles: dict[int, object] = {}
         self._last: dict[int, float] = {}
         self._min_interval = min_interval
@@ -173,7 +181,7 @@ class LiveLines:
         if now - self._last.get(rank, 0.0) < self._min_interval:
             return
         self._last[rank] = now
-        shown = {"text/plain": f"[rank {rank}] {text}"}
+        shown = {"text/plain": f"[{self.label(rank)}] {text}"}
         handle = self._handles.get(rank)
         if handle is None:
             self._handles[rank] = display(shown, raw=True, display_id=True)
@@ -259,10 +267,17 @@ class RankError(Exception):
 
     SHOW_SAME = 1  # how many identical failures to show in full
 
-    def __init__(self, failures: list[RankFailure], results: dict[int, object], summary: str = "") -> None:
+    def __init__(
+        self,
+        failures: list[RankFailure],
+        results: dict[int, object],
+        summary: str = "",
+        label: Callable[[int], str] = rank_label,
+    ) -> None:
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.results = results
         self.summary = summary
+        self.label = label
         ranks = ", ".join(str(f.rank) for f in self.failures)
         headline = summary or f"rank(s) {ranks} failed"
         super().__init__(f"{headline}: {self.failures[0].headline()}" if self.failures else headline)
@@ -280,7 +295,7 @@ class RankError(Exception):
             groups.setdefault((failure.type, failure.message), []).append(failure)
         for same in groups.values():
             for failure in same[: self.SHOW_SAME]:
-                prefix = tag(failure.rank, "stderr")
+                prefix = tag(failure.rank, "stderr", self.label)
                 body = failure.traceback.rstrip("\n") or failure.headline()
                 lines.extend(prefix + line for line in body.splitlines())
             if len(same) > self.SHOW_SAME:

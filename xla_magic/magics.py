@@ -16,6 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from xla_magic import widget
 from xla_magic.display import in_notebook
 from xla_magic.session import Session
+from xla_magic.sharding import SpmdOptions
 
 
 def device_count(text: str) -> int:
@@ -40,6 +41,42 @@ def seconds(text: str) -> float:
     return value
 
 
+def spmd_arguments(function: Any) -> Any:
+    """--spmd, --mesh and --axes, shared by %%xla_spawn and %xla_pool (as ipyparallel's exec_args)."""
+    for decorator in reversed((
+        argument(
+            "--spmd", action="store_true",
+            help="one process drives every device with torch_xla's SPMD on, and the cell sees a mesh; its "
+            "value is one value, not a list by rank",
+        ),
+        argument(
+            "--mesh", metavar="SIZES",
+            help="with --spmd: the mesh's shape, sizes separated by commas, whose product is the device count, "
+            "like 4,2 (default: one axis over every device)",
+        ),
+        argument(
+            "--axes", metavar="NAMES",
+            help="with --spmd: the mesh's axis names, like data,model (default: data for one axis, data,model "
+            "for two)",
+        ),
+    )):
+        function = decorator(function)
+    return function
+
+
+def spmd_options(args: argparse.Namespace) -> SpmdOptions | None:
+    """The SPMD options asked for, None without --spmd; --mesh or --axes alone is a UsageError."""
+    if not args.spmd:
+        if args.mesh is not None or args.axes is not None:
+            given = "--mesh" if args.mesh is not None else "--axes"
+            raise UsageError(
+                f"{given} shapes the mesh of an SPMD cell: add --spmd (one process drives every device over "
+                f"that mesh), or leave {given} out to run one rank per device"
+            )
+        return None
+    return SpmdOptions(args.mesh, args.axes)
+
+
 @magics_class
 class XlaMagics(Magics):
     def __init__(self, shell: Any, session: Session) -> None:
@@ -49,7 +86,8 @@ class XlaMagics(Magics):
     @magic_arguments()
     @argument(
         "-n", "--devices", type=device_count, default=None,
-        help="number of ranks (default: every TPU device, or 8 in the CPU simulation)",
+        help="number of devices, one rank each, or all driven by the one process with --spmd (default: every "
+        "TPU device, or 8 in the CPU simulation)",
     )
     @argument(
         "-b", "--backend", default="auto", choices=("auto", "tpu", "cpu"),
@@ -65,6 +103,7 @@ class XlaMagics(Magics):
         "--fresh", action="store_true",
         help="while a pool runs, run this cell in newly spawned ranks instead of the pool's",
     )
+    @spmd_arguments
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -78,6 +117,13 @@ class XlaMagics(Magics):
 
         While a pool runs (``%xla_pool start``) the cell runs in the pool's
         ranks, whose namespaces persist between cells; ``--fresh`` spawns.
+
+        With ``--spmd`` the cell runs once, in one process that drives every
+        device with torch_xla's SPMD mode on: it sees ``device``, ``mesh`` (a
+        ``torch_xla.distributed.spmd.Mesh``, also the global mesh),
+        ``world_size`` (the device count) and ``show_sharding(tensor)``
+        (draws which device holds which block). Output is tagged ``[spmd]``;
+        the value is one value, XLA tensors (sharded or not) whole on the CPU.
         """
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None:
@@ -85,11 +131,12 @@ class XlaMagics(Magics):
         results = self.session.run_cell(
             cell, args.devices, args.backend, args.timeout, args.fresh,
             self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
+            spmd=spmd_options(args),
         )
         if args.out:
             self.shell.user_ns[args.out] = results
         # Like a cell ending in print(...): nothing worth showing.
-        if results is not None and all(value is None for value in results):
+        if not self.session.one_value and results is not None and all(value is None for value in results):
             return None
         return results
 
@@ -122,6 +169,7 @@ class XlaMagics(Magics):
         help="start/restart: tpu, cpu or auto (default: tpu where a TPU is found)",
     )
     @argument("-r", "--rank", type=int, default=None, help="pull: take the value of this rank only")
+    @spmd_arguments
     @line_magic
     def xla_pool(self, line: str) -> None:
         """Keep ranks alive between %%xla_spawn cells: a persistent pool.
@@ -136,14 +184,20 @@ class XlaMagics(Magics):
         pull NAME [--rank R]`` stores the ranks' values (a list by rank, or rank
         R's) in the notebook variable NAME. ``%xla_pool restart`` replaces the
         ranks, ``%xla_pool stop`` ends them, and ``%xla_pool`` shows the state.
+
+        ``%xla_pool start --spmd [--mesh 4,2] [--axes data,model]`` keeps one
+        SPMD process instead (see ``%%xla_spawn --spmd``): its namespace,
+        sharded model and optimiser and compiled graphs stay between cells,
+        and pull gives its one value. ``restart`` keeps an SPMD pool SPMD.
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)
+        spmd = spmd_options(args)
         live = in_notebook(self.shell)
         if args.action == "start":
-            self.session.start_pool(args.devices, args.backend, live_lines=live)
+            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
         elif args.action == "restart":
-            self.session.restart_pool(args.devices, args.backend, live_lines=live)
+            self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":
@@ -176,3 +230,5 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--rank goes with %xla_pool pull only")
     if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):
         raise UsageError("--devices and --backend go with %xla_pool start and restart only")
+    if (args.spmd or args.mesh is not None or args.axes is not None) and args.action not in ("start", "restart"):
+        raise UsageError("--spmd, --mesh and --axes go with %xla_pool start and restart only")

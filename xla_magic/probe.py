@@ -128,11 +128,38 @@ def kernel_holds_libtpu() -> str | None:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a run goes: backend, rank count, and the tpu path on CPU threads."""
+    """Where a run goes: backend, device count, and the tpu path on CPU threads.
+
+    With a ``mesh`` it is the SPMD placement: one process drives all
+    ``devices`` over that mesh (axes named ``axes``), and its value is one
+    value, not a list by rank.
+    """
 
     backend: str
     devices: int
     cpu_threads: bool = False
+    mesh: tuple[int, ...] | None = None
+    axes: tuple[str, ...] | None = None
+
+    @property
+    def spmd(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def ranks(self) -> int:
+        """How many rank processes (or threads) it runs."""
+        return 1 if self.spmd else self.devices
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether its devices are XLA CPU devices (the simulation, or PJRT_DEVICE=CPU)."""
+        return self.backend == "cpu" or self.cpu_threads
+
+    def describe_mesh(self) -> str:
+        """``data=4 × model=2`` (empty when not SPMD)."""
+        if self.mesh is None:
+            return ""
+        return " × ".join(f"{name}={size}" for name, size in zip(self.axes or (), self.mesh))
 
 
 class PlacementError(ValueError):

@@ -40,11 +40,16 @@ ENDED = "ended"
 CELL = "cell"
 PUSH = "push"
 PULL = "pull"
+SHOWN = "shown"  # a rank's DISPLAY is shown: its cell may go on (not a request)
 # rank -> kernel (output travels as raw bytes on the stdout/stderr sockets)
 RESULT = "result"
 ERROR = "error"
 STATUS = "status"
 DONE = "done"
+# rank -> kernel, while a cell runs: something to display in the cell, as plain
+# data (``what`` names the kernel's view of it, e.g. "sharding"); the rank
+# waits for SHOWN, so what it prints next comes after the picture
+DISPLAY = "display"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"

@@ -13,6 +13,10 @@ shared memory and the results prefix (see shipping.py).
 
 ``state`` is one of starting, ready, running, broken, stopped. A broken set
 cannot serve again, and says why (``problem``).
+
+The placement decides how many ranks the set has: one per device, or (SPMD)
+one process driving every device, whose output is tagged ``[spmd]`` and
+whose value is one value rather than a list by rank.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import socket
 import sys
 import termios
 import time
+from typing import Any
+
 from IPython.core.error import UsageError
 
-from xla_magic import probe, protocol, transport
+from xla_magic import probe, protocol, sharding, transport
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
 from xla_magic.shipping import Shipping
 
@@ -95,8 +101,11 @@ class Ranks:
     """The kernel's handle on one launcher job's ranks."""
 
     def __init__(self, placement: probe.Placement, keep: bool, requested_backend: str, workdir: PrivateDir) -> None:
+        self.placement = placement
         self.backend = placement.backend
         self.devices = placement.devices
+        self.size = placement.ranks  # how many ranks answer each request
+        self.one_value = placement.spmd
         self.cpu_threads = placement.cpu_threads
         self.keep = keep
         self.requested_backend = requested_backend
@@ -140,6 +149,7 @@ class Ranks:
                 "backend": self.backend,
                 "cpu_threads": self.cpu_threads,
                 "first": first,
+                "spmd": self._spmd_job(),
             }
             self.supervisor_pid = launcher.submit(job, [sock.fileno() for sock in theirs])
         except BaseException:
@@ -149,6 +159,13 @@ class Ranks:
             for sock in theirs:
                 sock.close()
 
+    def _spmd_job(self) -> dict[str, Any] | None:
+        placement = self.placement
+        if not placement.spmd:
+            return None
+        return {"devices": placement.devices, "mesh": placement.mesh, "axes": placement.axes,
+                "on_cpu": placement.on_cpu}
+
     def _open_sockets(self) -> list[socket.socket]:
         """Make the socket pairs, watched by the set's selector; the ends the job hands over."""
         theirs: list[socket.socket] = []
@@ -156,7 +173,7 @@ class Ranks:
         self.supervisor = Conn(ours, None, "supervisor")
         self.selector.register(ours, selectors.EVENT_READ, self.supervisor)
         theirs.append(remote)
-        for rank in range(self.devices):
+        for rank in range(self.size):
             for kind in ("events", "stdout", "stderr"):
                 ours, remote = socket.socketpair()
                 conn = Conn(ours, rank, kind)
@@ -168,6 +185,22 @@ class Ranks:
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+    # -- naming ----------------------------------------------------------
+
+    def label(self, rank: int) -> str:
+        """The tag of a rank's output and errors: ``rank N``, or ``spmd``."""
+        return "spmd" if self.one_value else f"rank {rank}"
+
+    def name(self, rank: int) -> str:
+        """A rank in a sentence: ``rank N``, or ``the SPMD process``."""
+        return "the SPMD process" if self.one_value else f"rank {rank}"
+
+    def value(self, results: list[Any] | None) -> Any:
+        """What a request's results are to the notebook: the list by rank, or the one value."""
+        if results is None or not self.one_value:
+            return results
+        return results[0]
 
     # -- talking to the ranks --------------------------------------------
 
@@ -258,8 +291,20 @@ class Ranks:
                 f"to one-shot ranks; --fresh runs this cell in newly spawned ranks."
             )
 
-    def check_fits(self, devices: int | None, backend: str) -> None:
-        """A cell's --devices / --backend must agree with the running pool."""
+    def check_fits(self, devices: int | None, backend: str, spmd: sharding.SpmdOptions | None = None) -> None:
+        """A cell's --devices / --backend (and --spmd, --mesh, --axes) must agree with the running pool.
+
+        A cell without --spmd runs in an SPMD pool too: the pool says how it runs.
+        """
+        if self.one_value:
+            self._check_spmd_fits(devices, backend, spmd)
+            return
+        if spmd is not None:
+            raise UsageError(
+                f"a pool of {self.devices} ranks (one process per device) is running, so an --spmd cell cannot "
+                f"run in it. Use %xla_pool restart --spmd to make it an SPMD pool, %xla_pool stop first, or "
+                f"add --fresh to run this cell in a new SPMD process."
+            )
         if devices is not None and devices != self.devices:
             raise UsageError(
                 f"a pool of {self.devices} ranks is running, so --devices {devices} contradicts it. "
@@ -271,6 +316,29 @@ class Ranks:
                 f"the running pool uses the {self.backend} backend, so --backend {backend} contradicts "
                 f"it. Leave --backend out, add --fresh, or use %xla_pool restart --backend {backend}."
             )
+
+    def _check_spmd_fits(self, devices: int | None, backend: str, spmd: sharding.SpmdOptions | None) -> None:
+        where = f"an SPMD pool (one process, {self.devices} devices, mesh {self.placement.describe_mesh()})"
+        if devices is not None and devices != self.devices:
+            raise UsageError(
+                f"{where} is running, so --devices {devices} contradicts it. Leave --devices out to run in "
+                f"the pool, add --fresh to run in newly spawned ranks, or use %xla_pool restart --spmd "
+                f"--devices {devices} to replace the pool."
+            )
+        if backend != "auto" and backend != self.backend:
+            raise UsageError(
+                f"{where} on the {self.backend} backend is running, so --backend {backend} contradicts it. "
+                f"Leave --backend out, add --fresh, or use %xla_pool restart --spmd --backend {backend}."
+            )
+        if spmd is not None and (spmd.mesh is not None or spmd.axes is not None):
+            shape, names = sharding.mesh_layout(spmd.mesh, spmd.axes, self.devices)
+            if (shape, names) != (self.placement.mesh, self.placement.axes):
+                asked = " × ".join(f"{name}={size}" for name, size in zip(names, shape))
+                raise UsageError(
+                    f"{where} is running, and this cell asks for the mesh {asked}. Leave --mesh and --axes "
+                    f"out to run in the pool's mesh, or use %xla_pool restart --spmd {spmd.options()} "
+                    f"to replace the pool."
+                )
 
     def check_fresh_allowed(self) -> None:
         """On a TPU host the pool's ranks hold the chips, so fresh ranks could not open them."""
@@ -349,18 +417,24 @@ class Ranks:
     # -- showing ---------------------------------------------------------------
 
     def describe(self) -> str:
-        where = f"{self.devices} ranks on the {self.backend} backend"
-        if self.cpu_threads:
-            where += " (threads on the CPU)"
-        elif self.backend == "cpu":
-            where += " (simulated devices)"
+        if self.one_value:
+            kind = " XLA CPU" if self.placement.on_cpu else ""
+            where = (f"one SPMD process driving {self.devices}{kind} devices, mesh "
+                     f"{self.placement.describe_mesh()}, on the {self.backend} backend")
+        else:
+            where = f"{self.devices} ranks on the {self.backend} backend"
+            if self.cpu_threads:
+                where += " (threads on the CPU)"
+            elif self.backend == "cpu":
+                where += " (simulated devices)"
         if self.state == "stopped":
             return f"stopped ({where})"
         if self.state == "broken":
             return f"broken: {self.problem}. {RESTART_HINT}"
         uptime = time.time() - self.started
         pids = ", ".join(str(pid) for pid in sorted(set(self.pids.values())))
+        processes = "process" if self.one_value else "rank processes"
         return (
             f"{self.state}: {where}, up {uptime:.0f} s, {self.cells} cell(s) run; "
-            f"rank processes {pids or 'unknown'}"
+            f"{processes} {pids or 'unknown'}"
         )

@@ -5,7 +5,9 @@ with their job), a pool's start, a pool cell, a push or a pull. It runs in
 the thread that runs the cell, so output lands in the running cell and
 Ctrl-C / the stop button arrive here as KeyboardInterrupt: events and raw
 output from every rank, fail-fast, interrupt and timeout escalation,
-results.
+results, and what a rank asks to display (DISPLAY, e.g. a sharding picture).
+The set's placement names its ranks in output and errors (``[rank N]``, or
+``[spmd]`` for the one SPMD process).
 
 A request is over when every rank it asked has answered (DONE) or is gone
 (its events socket closed, or the supervisor reported its exit), whatever
@@ -27,7 +29,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol, transport
+from xla_magic import protocol, sharding, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
@@ -65,6 +67,7 @@ class RunRecord:
     cell: str
     backend: str
     devices: int
+    mesh: str = ""  # an SPMD run's mesh, as in "data=4 × model=2"; empty for one rank per device
     started: float = field(default_factory=time.time)
     duration: float | None = None
     outcome: str = "running"
@@ -100,14 +103,15 @@ class Request:
         self.frame = frame  # None: it went with the ranks' job, or there is nothing to send (a start)
         self.has_result = has_result
         self.timeout = timeout
-        self.targets = list(range(ranks.devices)) if targets is None else targets
+        self.targets = list(range(ranks.size)) if targets is None else targets
         self.on_update = on_update
         self.sent = frame is None
         self.delivered = frame is None  # every asked rank got the whole request
-        self._live = LiveLines() if live_lines else None
+        self._live = LiveLines(label=ranks.label) if live_lines else None
         # Folded logs outlive the request: the cell printed their paths.
         self.output = TaggedOutput(
-            log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live
+            log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live,
+            label=ranks.label,
         )
         self.results: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
@@ -120,13 +124,13 @@ class Request:
         self.stopped_pids: set[int] = set()  # rank processes seen stopped (SIGSTOP)
         self._last_tick = 0.0
         self._lines_counted = 0
-        record.ranks = {rank: RankState(pid=ranks.pids.get(rank)) for rank in range(ranks.devices)}
+        record.ranks = {rank: RankState(pid=ranks.pids.get(rank)) for rank in range(ranks.size)}
 
     # -- starting --------------------------------------------------------
 
     def start(self) -> None:
         """Check that the ranks can take the request; a kept set first reads its news from between requests."""
-        for rank in range(self.ranks.devices):
+        for rank in range(self.ranks.size):
             if rank not in self.targets:
                 self.done.add(rank)
                 self.record.ranks[rank].state = "done"
@@ -158,8 +162,8 @@ class Request:
                 try:
                     self.ranks.send(rank, self.frame)
                 except OSError as exc:
-                    self.ranks.mark_broken(f"rank {rank} could not be reached ({exc})")
-                    self._fail(rank, "RankDied", f"rank {rank} could not be reached: {exc}")
+                    self.ranks.mark_broken(f"{self.ranks.name(rank)} could not be reached ({exc})")
+                    self._fail(rank, "RankDied", f"{self.ranks.name(rank)} could not be reached: {exc}")
                     self.done.add(rank)
                     continue
                 asked.add(rank)
@@ -201,7 +205,7 @@ class Request:
         self._finish("done")
         if not self.has_result:
             return None
-        return [self.results.get(rank) for rank in range(self.ranks.devices)]
+        return [self.results.get(rank) for rank in range(self.ranks.size)]
 
     def _after(self) -> None:
         """However the request ended: the output it left, its untaken results, the set's state."""
@@ -259,7 +263,7 @@ class Request:
                 self.stopped_pids.add(pid)
                 for rank in ranks:
                     self._rank_state(rank, "stopped")
-                print(f"[rank {', '.join(map(str, ranks))}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
+                print(f"[{self._tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
                       f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell.",
                       flush=True)
             elif not stopped and pid in self.stopped_pids:
@@ -329,7 +333,7 @@ class Request:
         elif conn.kind == "events" and conn.rank in self.targets and not self._settled(conn.rank):
             self._lose(conn.rank)
         if conn.kind in ("supervisor", "events") and self.ranks.keep and self.ranks.state != "stopped":
-            who = "the pool's supervisor" if conn.rank is None else f"rank {conn.rank}"
+            who = "the pool's supervisor" if conn.rank is None else self.ranks.name(conn.rank)
             self.ranks.mark_broken(self.ranks.launcher_death() or f"{who} ended", guess=True)
 
     def _lose(self, rank: int) -> None:
@@ -348,6 +352,8 @@ class Request:
             self._handle_supervisor(kind, fields)
         elif kind == protocol.STATUS:
             self._take_status(rank, fields)
+        elif kind == protocol.DISPLAY:
+            self._show(rank, fields)
         elif fields.get("seq") != self.seq:
             return  # a reply to a request the kernel gave up on
         elif kind == protocol.RESULT:
@@ -375,6 +381,29 @@ class Request:
         else:
             self.on_update(self.record)
 
+    def _show(self, rank: int, fields: dict[str, Any]) -> None:
+        """Display what a rank asked to show, after the output it wrote before asking; then let it go on."""
+        self._drain([self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
+        try:
+            self._display(rank, fields.get("what"), fields.get("data"))
+        finally:
+            try:
+                self.ranks.send(rank, protocol.encode(protocol.SHOWN))
+            except OSError:
+                pass  # the rank is gone; its events socket says so
+
+    def _display(self, rank: int, what: Any, data: Any) -> None:
+        from IPython.display import display
+
+        view = VIEWS.get(what)
+        if view is None:
+            print(f"[{self.ranks.label(rank)}] (nothing to show for {what!r})")
+            return
+        try:
+            display(view(data))
+        except Exception as exc:  # a bad description must not end the request
+            print(f"[{self.ranks.label(rank)}] could not show {what}: {type(exc).__name__}: {exc}")
+
     def _handle_supervisor(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == protocol.SPAWNED:
             for rank, pid in fields["pids"].items():
@@ -383,14 +412,14 @@ class Request:
             rank, code = fields["rank"], fields["code"]
             self.exit_codes[rank] = code
             if self.ranks.keep:
-                self.ranks.mark_broken(f"rank {rank} died: {describe_exit(code)}")
+                self.ranks.mark_broken(f"{self.ranks.name(rank)} died: {describe_exit(code)}")
             # Its last words may still sit in its sockets (its children may
             # hold them open, so no end-of-file need come): read them now.
             self._drain([self.ranks.events[rank], self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
             if rank in self.targets and not self._settled(rank):
                 self._lose(rank)
             if code != 0 and rank not in self.failures and rank not in self.done and self.stop_reason is None:
-                self._fail(rank, "RankDied", f"rank {rank} died: {describe_exit(code)}", exit_code=code)
+                self._fail(rank, "RankDied", f"{self.ranks.name(rank)} died: {describe_exit(code)}", exit_code=code)
         elif kind == protocol.ENDED:
             self._supervisor_ended(fields.get("error"))
 
@@ -408,7 +437,7 @@ class Request:
         self.ranks.mark_broken(death or f"the pool's rank processes ended{cause}")
         for rank in self._unsettled():
             if rank not in self.failures and self.stop_reason is None:
-                self._fail(rank, "RankDied", death or f"rank {rank}'s process ended{cause}")
+                self._fail(rank, "RankDied", death or f"{self.ranks.name(rank)}'s process ended{cause}")
 
     def _take_result(self, rank: int, fields: dict[str, Any]) -> None:
         if fields.get("empty"):
@@ -423,7 +452,7 @@ class Request:
             self._fail(
                 rank,
                 type(exc).__name__,
-                f"the kernel could not load rank {rank}'s result: {exc!r}. "
+                f"the kernel could not load {self.ranks.name(rank)}'s result: {exc!r}. "
                 f"Return types the kernel can import (tensors, numbers, dicts).",
             )
 
@@ -450,11 +479,11 @@ class Request:
                 # The tpu path: the rank's process died mid-cell and xmp.spawn
                 # raised; its traceback is torch_xla's, its last line the news.
                 cause = self.launch_error.strip().splitlines()[-1]
-                self._fail(rank, "RankDied", f"rank {rank}'s process ended during the cell: {cause}")
+                self._fail(rank, "RankDied", f"{self.ranks.name(rank)}'s process ended during the cell: {cause}")
             elif self.launch_error and code is None:
                 self._fail(rank, "LaunchError", "the ranks could not be started", self.launch_error)
             else:
-                self._fail(rank, "RankDied", f"rank {rank} ended without reporting: {describe_exit(code)}",
+                self._fail(rank, "RankDied", f"{self.ranks.name(rank)} ended without reporting: {describe_exit(code)}",
                            exit_code=code)
 
     # -- stopping --------------------------------------------------------
@@ -545,6 +574,9 @@ class Request:
             state.lines += batch
             state.last_line = line
 
+    def _tag_of(self, ranks: list[int]) -> str:
+        return self.ranks.label(ranks[0]) if self.ranks.one_value else f"rank {_listed(ranks)}"
+
     def _rank_state(self, rank: int, value: str) -> None:
         state = self.record.ranks[rank]
         if state.state in ("failed", "killed"):
@@ -565,14 +597,14 @@ class Request:
 
     def _stopped_note(self) -> str:
         if not self.ranks.keep:
-            return "the ranks were stopped"
+            return "the SPMD process was stopped" if self.ranks.one_value else "the ranks were stopped"
         if self.ranks.state == "broken":
             return f"the pool is broken: {RESTART_HINT}"
         return "the pool keeps its ranks and their namespaces"
 
     def _failure_summary(self) -> str:
         ranks = sorted(r for r in self.failures if r >= 0)
-        summary = f"rank(s) {_listed(ranks)} failed"
+        summary = "the SPMD process failed" if self.ranks.one_value else f"rank(s) {_listed(ranks)} failed"
         if self.stop_reason == "failure" and len(ranks) < len(self.targets):
             summary += "; the other ranks were stopped" if not self.ranks.keep else "; the others' cells were stopped"
         if self.ranks.keep and self.ranks.state == "broken":
@@ -581,7 +613,8 @@ class Request:
 
     def _interrupted_message(self) -> str:
         if not self.ranks.keep:
-            return ("interrupted; the ranks were stopped (SIGINT, then SIGTERM/SIGKILL if needed). "
+            who = "the SPMD process was" if self.ranks.one_value else "the ranks were"
+            return (f"interrupted; {who} stopped (SIGINT, then SIGTERM/SIGKILL if needed). "
                     "Results of ranks that finished are on this error's .results.")
         if self.ranks.state == "broken":
             return f"interrupted; {self.ranks.problem}, so the pool is broken. {RESTART_HINT}."
@@ -591,7 +624,11 @@ class Request:
     def _error(self, summary: str) -> RankError:
         if self.record.outcome == "running":
             self._finish("timeout" if self.stop_reason == "timeout" else "failed")
-        return RankError(list(self.failures.values()), dict(self.results), summary)
+        return RankError(list(self.failures.values()), dict(self.results), summary, label=self.ranks.label)
+
+
+# What a rank may ask the kernel to display (protocol.DISPLAY's ``what``), and the view that draws it.
+VIEWS: dict[str, Callable[[Any], Any]] = {"sharding": sharding.ShardingView}
 
 
 def _listed(ranks: list[int]) -> str:

@@ -8,25 +8,35 @@ one :class:`~xla_magic.request.Request` to one :class:`~xla_magic.ranks.Ranks`.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, probe, protocol, transport
+from xla_magic import payload, probe, protocol, sharding, transport
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
 from xla_magic.ranks import Ranks
 from xla_magic.request import Request, RunRecord
 
 
-def plan(backend: str, devices: int | None, action: str) -> probe.Placement:
-    """Where ``action`` would run, or the UsageError that says why it cannot."""
+def plan(
+    backend: str, devices: int | None, action: str, spmd: sharding.SpmdOptions | None = None
+) -> probe.Placement:
+    """Where ``action`` would run, or the UsageError that says why it cannot.
+
+    With ``spmd``: one process over the same devices, with the mesh that
+    ``--mesh`` / ``--axes`` ask for.
+    """
     try:
         placement = probe.place(backend, devices)
     except probe.PlacementError as exc:
         raise UsageError(str(exc)) from exc
+    if spmd is not None:
+        mesh, axes = spmd.layout(placement.devices)
+        placement = dataclasses.replace(placement, mesh=mesh, axes=axes)
     refuse_if_kernel_holds_devices(action)
     return placement
 
@@ -35,6 +45,14 @@ def refuse_if_kernel_holds_devices(action: str) -> None:
     refusal = probe.kernel_xla_runtime() or probe.kernel_holds_libtpu()
     if refusal:
         raise UsageError(f"{action} refused: {refusal}")
+
+
+def old_spmd_options(pool: Ranks, devices: int | None) -> sharding.SpmdOptions:
+    """A restarted SPMD pool's --mesh / --axes: its own, unless the device count changes (then the defaults)."""
+    placement = pool.placement
+    if devices is not None and devices != placement.devices:
+        return sharding.SpmdOptions()
+    return sharding.SpmdOptions(",".join(map(str, placement.mesh or ())), ",".join(placement.axes or ()))
 
 
 class Session:
@@ -49,6 +67,7 @@ class Session:
         self.history: list[RunRecord] = []
         self.listeners: list[Callable[[RunRecord], None]] = []
         self.pool: Ranks | None = None  # the kept ranks, while a pool runs (or is broken)
+        self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
 
     # -- the launcher ------------------------------------------------------
 
@@ -87,17 +106,21 @@ class Session:
         user_ns: Mapping[str, Any],
         hidden: Mapping[str, Any],
         live_lines: bool = False,
-    ) -> list[Any] | None:
-        """A ``%%xla_spawn`` cell: in the pool while one runs (unless ``fresh``), else in new ranks."""
+        spmd: sharding.SpmdOptions | None = None,
+    ) -> Any:
+        """A ``%%xla_spawn`` cell: in the pool while one runs (unless ``fresh``), else in new ranks.
+
+        Its value: the list by rank, or (SPMD) the one value.
+        """
         pool = self.current_pool()
         if pool is not None and not fresh:
-            pool.check_fits(devices, backend)
+            pool.check_fits(devices, backend, spmd)
             pool.check_usable()
             self._guard_kernel(pool)
             return self._cell(pool, cell, user_ns, hidden, timeout, live_lines)
         if pool is not None:
             pool.check_fresh_allowed()
-        placement = plan(backend, devices, "%%xla_spawn")
+        placement = plan(backend, devices, "%%xla_spawn", spmd)
         ranks = Ranks(placement, keep=False, requested_backend=backend, workdir=self.workdir)
         try:
             return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines)
@@ -112,7 +135,7 @@ class Session:
         hidden: Mapping[str, Any],
         timeout: float | None,
         live_lines: bool,
-    ) -> list[Any] | None:
+    ) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         run_id = self.next_run_id()
         filename = f"<xla_spawn cell {run_id}>"
@@ -125,7 +148,7 @@ class Session:
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
                                     has_result=has_result, results_to=ranks.results.prefix, **shipping)
             launching = ranks.state == "starting"
-            record = RunRecord(run_id, cell, ranks.backend, ranks.devices)
+            record = self._record(run_id, cell, ranks)
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=timeout, on_update=self._notify,
                               live_lines=live_lines)
@@ -134,8 +157,9 @@ class Session:
             else:
                 self.remember(record)
             request.start()
+            self.one_value = ranks.one_value
             try:
-                return request.wait()
+                return ranks.value(request.wait())
             finally:
                 delivered = request.delivered
                 if delivered:
@@ -180,17 +204,23 @@ class Session:
         pool = self.pool
         return None if pool is None or pool.state == "stopped" else pool
 
-    def start_pool(self, devices: int | None, backend: str | None, live_lines: bool = False) -> Ranks:
-        """``%xla_pool start``: a pool of ready ranks, or the one already running."""
+    def start_pool(
+        self,
+        devices: int | None,
+        backend: str | None,
+        live_lines: bool = False,
+        spmd: sharding.SpmdOptions | None = None,
+    ) -> Ranks:
+        """``%xla_pool start``: a pool of ready ranks (or, with ``spmd``, an SPMD process), or the one already running."""
         running = self.current_pool()
         if running is not None:
             running.check_usable()
-            running.check_fits(devices, backend or "auto")
+            running.check_fits(devices, backend or "auto", spmd)
             print(f"the pool is already running: {running.describe()}")
             return running
-        placement = plan(backend or "auto", devices, "%xla_pool start")
+        placement = plan(backend or "auto", devices, "%xla_pool start", spmd)
         pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir)
-        record = RunRecord(self.next_run_id(), "%xla_pool start", pool.backend, pool.devices)
+        record = self._record(self.next_run_id(), "%xla_pool start", pool)
         start = Request(pool, record, 0, None, workdir=self.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=self._notify, live_lines=live_lines)
         began = time.monotonic()
@@ -216,13 +246,23 @@ class Session:
         pool.stop()
         return True
 
-    def restart_pool(self, devices: int | None, backend: str | None, live_lines: bool = False) -> Ranks:
+    def restart_pool(
+        self,
+        devices: int | None,
+        backend: str | None,
+        live_lines: bool = False,
+        spmd: sharding.SpmdOptions | None = None,
+    ) -> Ranks:
+        """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
         old = self.current_pool()
         if old is not None:
+            if spmd is None and old.one_value:
+                spmd = old_spmd_options(old, devices)
             devices = devices if devices is not None else old.devices
             backend = backend or old.requested_backend
+            plan(backend, devices, "%xla_pool restart", spmd)  # bad options keep the old pool
             self.stop_pool()
-        return self.start_pool(devices, backend, live_lines)
+        return self.start_pool(devices, backend, live_lines, spmd)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""
@@ -241,13 +281,15 @@ class Session:
     def pull(self, name: str, rank: int | None) -> Any:
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
         pool = self._usable_pool()
+        if rank is not None and pool.one_value:
+            raise UsageError("an SPMD pool is one process, so its value has no --rank: leave --rank out")
         if rank is not None and not 0 <= rank < pool.devices:
             raise UsageError(f"--rank must be between 0 and {pool.devices - 1} (the pool has {pool.devices} ranks)")
         request = self._exchange(protocol.PULL, f"%xla_pool pull {name}", None if rank is None else [rank], True,
                                  name=name, results_to=pool.results.prefix)
         if rank is not None:
             return request.results.get(rank)
-        return [request.results.get(r) for r in range(pool.devices)]
+        return pool.value([request.results.get(r) for r in range(pool.size)])
 
     def describe_pool(self) -> str:
         pool = self.current_pool()
@@ -267,7 +309,7 @@ class Session:
                   **fields: Any) -> Request:
         pool = self._usable_pool()
         seq = pool.next_seq()
-        record = RunRecord(self.next_run_id(), label, pool.backend, pool.devices)
+        record = self._record(self.next_run_id(), label, pool)
         request = Request(pool, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
                           has_result=has_result, targets=targets, on_update=self._notify)
         request.start()
@@ -275,6 +317,10 @@ class Session:
         return request
 
     # -- the record ------------------------------------------------------------
+
+    @staticmethod
+    def _record(run_id: int, cell: str, ranks: Ranks) -> RunRecord:
+        return RunRecord(run_id, cell, ranks.backend, ranks.devices, mesh=ranks.placement.describe_mesh())
 
     def next_run_id(self) -> int:
         self.run_count += 1

@@ -1,6 +1,6 @@
 """SPMD meshes and sharding pictures, kernel side. Runs in the kernel.
 
-``mesh_layout`` checks ``--mesh`` and ``--axes`` against the device count
+``SpmdOptions`` holds ``--spmd``'s options; ``mesh_layout`` checks ``--mesh`` and ``--axes`` against the device count
 before anything starts. ``ShardingView`` draws the description that the
 SPMD process's ``describe_sharding`` sends (plain data: no torch, no
 torch_xla here): an HTML grid in a notebook, one block per cell, sized like
@@ -22,6 +22,23 @@ DEFAULT_AXES = {1: ("data",), 2: ("data", "model")}
 
 
 # --- --mesh and --axes -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpmdOptions:
+    """``--spmd`` and its ``--mesh`` / ``--axes`` as typed (None: the defaults)."""
+
+    mesh: str | None = None
+    axes: str | None = None
+
+    def layout(self, devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh shape and axis names over ``devices``, or the UsageError that says why not."""
+        return mesh_layout(self.mesh, self.axes, devices)
+
+    def options(self) -> str:
+        """The options again, as typed: ``--mesh 4,2 --axes data,model``."""
+        given = [("--mesh", self.mesh), ("--axes", self.axes)]
+        return " ".join(f"{option} {value}" for option, value in given if value is not None)
 
 
 def mesh_layout(mesh: str | None, axes: str | None, devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -87,7 +87,7 @@ def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
         facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher), pool_fact(session.current_pool())],
+               launcher_fact(session.launcher), pool_fact(session.current_pool())] + spmd_fact(session),
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),
     )
@@ -169,6 +169,25 @@ def pool_fact(pool: Ranks | None) -> Fact:
     if pool is None:
         return Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")
     return Fact("Pool", pool.describe())
+
+
+SPMD_MEMORY_NOTE = "memory per device: torch_xla reports none for an SPMD process (it sees one virtual device)"
+
+
+def spmd_fact(session: Session) -> list[Fact]:
+    """The SPMD process of the pool, or else of the last run, if either is one: mesh, devices, memory."""
+    pool = session.current_pool()
+    if pool is not None and pool.one_value:
+        where, mesh, devices = "pool", pool.placement.describe_mesh(), pool.devices
+        run = next((r for r in reversed(session.history) if r.mesh), None)
+    else:
+        run = session.history[-1] if session.history else None
+        if run is None or not run.mesh:
+            return []
+        where, mesh, devices = f"run {run.run_id}", run.mesh, run.devices
+    memory = run.ranks.get(0).memory if run is not None and run.ranks.get(0) is not None else None
+    said = f"memory {format_memory(memory)}" if memory else SPMD_MEMORY_NOTE
+    return [Fact("SPMD", f"{where}: one process, {devices} devices, mesh {mesh}; {said}")]
 
 
 # --- formatting ----------------------------------------------------------------

@@ -13,6 +13,9 @@ Every rank runs serve.serve(); a job with a ``first`` request is one-shot
   (PJRT_DEVICE=CPU), joined in a gloo process group on loopback.
 - tpu: torch_xla's ``xmp.spawn(..., start_method="fork")``. With
   PJRT_DEVICE=CPU it runs the same code path as CPU_NUM_DEVICES threads.
+- SPMD (a job with ``spmd``, on either backend): one forked process that
+  owns every device, with spmd.environment() applied before the runtime
+  starts and spmd.setup() for its names; no xmp.spawn.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import os
 import signal
 import socket
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from xla_magic import protocol
-from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, serve, simulate, strategy as strategy_module
+from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
+from xla_magic.launcher import strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
 # tries to join a multi-host job that does not exist.
@@ -56,7 +60,9 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
             for i in range(1, len(fds), 3)
         ]
         first = job.get("first")
-        if job["backend"] == "cpu":
+        if job.get("spmd"):
+            run_spmd(first, ranks, supervisor, job["spmd"])
+        elif job["backend"] == "cpu":
             run_cpu(first, job["run_id"], ranks, supervisor, job["store"])
         else:
             run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"])
@@ -100,12 +106,22 @@ def run_cpu(
     store (the kernel owns it and removes it when the ranks end)."""
     world_size = len(ranks)
     supervisor_pid = os.getpid()
+    _fork_and_wait(
+        ranks, supervisor,
+        lambda rank: _cpu_rank(rank, world_size, ranks, supervisor, first, run_id, store, supervisor_pid),
+    )
+
+
+def _fork_and_wait(
+    ranks: list[rank_module.RankSockets], supervisor: protocol.Channel, rank_main: Callable[[int], None]
+) -> None:
+    """Fork one process per rank (``rank_main`` never returns), report each exit, then ENDED."""
     pids: dict[int, int] = {}
     relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
-    for rank in range(world_size):
+    for rank in range(len(ranks)):
         pid = os.fork()
         if pid == 0:
-            _cpu_rank(rank, world_size, ranks, supervisor, first, run_id, store, supervisor_pid)
+            rank_main(rank)
         pids[pid] = rank
     relay.start()
     for sockets in ranks:
@@ -134,16 +150,7 @@ def _cpu_rank(
     """A simulated device: one process, one XLA CPU device; never returns."""
     code = 1
     try:
-        lifetime.die_with_parent(supervisor_pid)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's SIG_IGN is not for ranks
-        # Only the supervisor speaks on its socket, and a rank's children
-        # must not hold it (nor other ranks' sockets) open.
-        supervisor.close()
-        for other, sockets in enumerate(ranks):
-            if other != rank:
-                for sock in sockets.all():
-                    sock.close()
-        _rank_environment()
+        _forked_rank(rank, ranks, supervisor, supervisor_pid)
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = "1"
 
@@ -160,6 +167,55 @@ def _cpu_rank(
 
         closing = simulate.leave(strategy_module.closing_on_store(os.path.join(store, "closing"), run_id, world_size))
         ok = serve.serve(rank, ranks[rank], setup, first, closing)
+        code = 0 if ok else 1
+    finally:
+        lifetime.flush_c_stdio()
+        os._exit(code)
+
+
+def _forked_rank(rank: int, ranks: list[rank_module.RankSockets], supervisor: protocol.Channel,
+                 supervisor_pid: int) -> None:
+    """The start of every forked rank: dies with the supervisor, holds only its own sockets."""
+    lifetime.die_with_parent(supervisor_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's SIG_IGN is not for ranks
+    # Only the supervisor speaks on its socket, and a rank's children
+    # must not hold it (nor other ranks' sockets) open.
+    supervisor.close()
+    for other, sockets in enumerate(ranks):
+        if other != rank:
+            for sock in sockets.all():
+                sock.close()
+    _rank_environment()
+
+
+# --- SPMD: one process, every device ------------------------------------------
+
+
+def run_spmd(
+    first: bytes | None,
+    ranks: list[rank_module.RankSockets],
+    supervisor: protocol.Channel,
+    layout: dict[str, Any],
+) -> None:
+    """Fork the one SPMD process; ``layout`` holds its device count, mesh and axes, and whether on CPU."""
+    supervisor_pid = os.getpid()
+    _fork_and_wait(ranks, supervisor, lambda rank: _spmd_process(ranks, supervisor, first, layout, supervisor_pid))
+
+
+def _spmd_process(
+    ranks: list[rank_module.RankSockets],
+    supervisor: protocol.Channel,
+    first: bytes | None,
+    layout: dict[str, Any],
+    supervisor_pid: int,
+) -> None:
+    """The SPMD process: never returns."""
+    code = 1
+    try:
+        _forked_rank(0, ranks, supervisor, supervisor_pid)
+        # Before anything starts the runtime: it reads these once.
+        os.environ.update(spmd.environment(layout["devices"], on_cpu=layout["on_cpu"]))
+        ok = serve.serve(0, ranks[0], lambda: spmd.setup(layout["devices"], layout["mesh"], layout["axes"]), first)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()

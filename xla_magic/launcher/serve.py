@@ -17,7 +17,9 @@ A rank's namespace, its device and everything torch_xla caches (compiled
 graphs) live as long as the rank. Interrupts (interrupt.py): SIGINT stops
 the cell of the request being answered and nothing else. Output goes
 through capture.py. Results and pulled values travel with large tensors
-and arrays in shared memory, under the prefix the request names.
+and arrays in shared memory, under the prefix the request names. A cell
+can have the kernel display something (``show_sharding`` in an SPMD
+process): a DISPLAY event, answered by SHOWN once it is shown.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import builtins
 import io
 import os
 import pickle
+import select
 import threading
 import time
 import types
@@ -35,6 +38,7 @@ from xla_magic import protocol, transport
 from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module
 
 _COMPILED_CELLS_KEPT = 64
+DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
 START_SEQ = 0  # the seq of a pool's start: every rank's ready answers it
 
 
@@ -161,6 +165,7 @@ class RankServer:
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None
         self.children = lifetime.ChildWatch()
+        rank_module.set_display(self.display)
         self._filename = "<xla_pool>"
         self._results: transport.SegmentWriter | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
@@ -178,6 +183,8 @@ class RankServer:
                 return
             if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                 return
+            if request.kind == protocol.SHOWN:
+                continue  # the answer to a display that an interrupt stopped waiting for
             try:
                 self.answer(request)
             except OSError:
@@ -218,6 +225,22 @@ class RankServer:
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started)
         with self.channel.lock:
             self.channel.sock.sendall(reply + done if reply else done)
+
+    def display(self, what: str, data: Any) -> None:
+        """Have the kernel display ``data`` (its view for ``what``) in the running cell, after the output so far.
+
+        Waits (up to DISPLAY_WAIT) until the kernel says it is shown, so the
+        cell's next lines come after it: output and events travel on
+        different sockets, read in whatever order they arrive.
+        """
+        self.flush_output()
+        self.channel.send(protocol.DISPLAY, what=what, data=data)
+        deadline = time.monotonic() + DISPLAY_WAIT
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.channel.sock], [], [], max(0.0, deadline - time.monotonic()))
+            if ready:
+                self.channel.recv()  # SHOWN: the kernel sends nothing else while a cell runs
+                return
 
     def flush_output(self) -> None:
         self.streams.flush()

@@ -4,7 +4,8 @@ torch_xla's SPMD mode (``xr.use_spmd()``) makes one process drive all the
 host's devices as a single virtual device; tensors are sharded over a
 ``Mesh`` by annotation and the compiler partitions the program. The
 supervisor forks one process for it, applies ``environment()`` before
-anything touches the runtime, then calls ``setup()`` for the in-cell names.
+anything touches the runtime, then calls ``setup()`` for the in-cell names
+(``show_sharding`` among them).
 
 On CPU, ``CPU_NUM_DEVICES=N`` gives that process N real XLA CPU devices, so
 sharding, partitioning and the collectives the compiler inserts all really
@@ -77,7 +78,21 @@ def setup(
         )
     mesh = xs.Mesh(np.arange(devices), shape, names)
     xs.set_global_mesh(mesh)
-    return {"device": torch_xla.device(), "mesh": mesh, "world_size": devices, "rank": 0}
+    return {
+        "device": torch_xla.device(), "mesh": mesh, "world_size": devices, "rank": 0,
+        "show_sharding": show_sharding,
+    }
+
+
+def show_sharding(tensor: torch.Tensor, mesh: Any = None) -> None:
+    """Draw, in the running cell, which device holds which block of ``tensor`` (HTML in a notebook, text elsewhere).
+
+    The description (``describe_sharding``) goes to the kernel, which draws
+    it after the output the cell printed so far.
+    """
+    from xla_magic.launcher import rank as rank_module
+
+    rank_module.display("sharding", describe_sharding(tensor, mesh))
 
 
 def _axis_names(shape: tuple[int, ...], axis_names: Sequence[str] | None) -> tuple[str, ...]:

@@ -1,0 +1,421 @@
+"""SPMD cells and pools for real: one process drives 8 XLA CPU devices, through the shell and a real kernel.
+
+``%%xla_spawn --spmd`` and ``%xla_pool start --spmd`` are one more placement
+of the same ranks and requests, so what holds for rank cells is checked here
+for the SPMD process: its value (one value, tensors whole on the CPU), its
+tagged output, the sharding picture, faults, interrupts, timeouts, the pool's
+state and compiled graphs, shared memory, the status, and every bad input.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+from torch import nn
+
+from conftest import BACKING, kernel_is_xla_free
+from test_kernel import execute, notebook, stream, text_of
+from xla_magic import sharding, transport
+from xla_magic.display import RankError, RunInterrupted
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cell(ip, line: str, source: str) -> tuple:
+    """Run a %%xla_spawn cell: (value, stdout, stderr, rich outputs)."""
+    with capture_output() as captured:
+        value = ip.run_cell_magic("xla_spawn", line, source)
+    return value, captured.stdout, ANSI.sub("", captured.stderr), captured.outputs
+
+
+def pool_magic(ip, line: str) -> str:
+    with capture_output() as captured:
+        ip.run_line_magic("xla_pool", line)
+    return captured.stdout
+
+
+def interrupt_when(path: str) -> None:
+    """SIGINT this process (the stop button) once ``path`` exists."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# --- one-shot SPMD cells ------------------------------------------------------------
+
+MATMUL = """
+import torch
+import torch_xla.distributed.spmd as xs
+xa, xb = a.to(device), b.to(device)
+xs.mark_sharding(xa, mesh, ("data", None))
+wrapped = xs.mark_sharding(xb, mesh, (None, "model"))
+print("mesh", tuple(mesh.mesh_shape), mesh.axis_names, world_size, mesh.get_logical_mesh().tolist())
+print("before the picture")
+show_sharding(xa)
+print("after the picture")
+{"product": xa @ xb, "a": xa, "b": wrapped, "is_global": xs.get_global_mesh() is mesh}
+"""
+
+
+def test_a_sharded_matmul_equals_the_kernels_and_comes_back_as_one_value(ip):
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 8), torch.randn(8, 12)
+    ip.user_ns.update(a=a, b=b)
+    value, out, _err, outputs = cell(ip, "--spmd --mesh 4,2", MATMUL)
+    assert isinstance(value, dict)  # one value, not a list by rank
+    assert value["product"].device.type == "cpu" and torch.allclose(value["product"], a @ b, atol=1e-5)
+    assert torch.equal(value["a"], a)  # annotated in place, whole on the CPU
+    assert type(value["b"]) is torch.Tensor and torch.equal(value["b"], b)  # mark_sharding's wrapper, whole
+    assert value["is_global"] is True
+    assert out.splitlines() == [
+        "[spmd] mesh (4, 2) ('data', 'model') 8 [[0, 1], [2, 3], [4, 5], [6, 7]]",
+        "[spmd] before the picture",
+        "[spmd] after the picture",
+    ]
+    (picture,) = outputs
+    assert picture.data["text/plain"].startswith("float32[16, 8] · mesh data=4 × model=2 · dim 0 over data")
+    boxes = [" ".join(line.strip("│").split()) for line in picture.data["text/plain"].splitlines() if line.startswith("│")]
+    assert [box for box in boxes if box] == ["CPU 0-1", "4×8", "CPU 2-3", "4×8", "CPU 4-5", "4×8", "CPU 6-7", "4×8"]
+    assert kernel_is_xla_free()
+
+
+def test_the_default_mesh_is_one_data_axis_over_the_devices_asked_for(ip):
+    value, out, _err, _ = cell(ip, "--spmd --devices 4", (
+        "import torch_xla.runtime as xr\n"
+        "print('spmd on:', xr.is_spmd())\n"
+        "(tuple(mesh.mesh_shape), mesh.axis_names, world_size, xr.global_runtime_device_count(), rank)"
+    ))
+    assert value == ((4,), ("data",), 4, 4, 0)
+    assert out == "[spmd] spmd on: True\n"
+    run = ip._xla_magic_session.history[-1]
+    assert (run.devices, run.mesh, list(run.ranks)) == (4, "data=4", [0])
+
+
+def test_an_exception_shows_the_cells_traceback_tagged_spmd(ip):
+    with pytest.raises(RankError) as raised:
+        cell(ip, "--spmd", "x = 1\nraise ValueError(f'no luck on {world_size} devices')\n")
+    error = raised.value
+    assert str(error).startswith("the SPMD process failed: ValueError: no luck on 8 devices")
+    lines = [ANSI.sub("", line) for line in error.render_lines()]
+    assert "[spmd]     raise ValueError(f'no luck on {world_size} devices')" in lines
+    assert all(line.startswith("[spmd]") for line in lines[1:])
+    assert "the SPMD process failed" in lines[0]
+
+
+def test_a_timeout_stops_the_spmd_process(ip):
+    started = time.monotonic()
+    with pytest.raises(RankError, match=r"timed out after 3 s \(--timeout\)"):
+        cell(ip, "--spmd --timeout 3", "print('spinning', flush=True)\nwhile True:\n    pass\n")
+    assert time.monotonic() - started < 60
+    pid = ip._xla_magic_session.history[-1].ranks[0].pid
+    assert pid is not None and not psutil.pid_exists(pid)
+
+
+def test_the_stop_button_stops_a_one_shot_spmd_cell(ip):
+    mark = os.path.join(tempfile.mkdtemp(prefix="xla_magic-test-"), "running")
+    ip.user_ns["mark"] = mark
+    interrupt_when(mark)
+    with pytest.raises(RunInterrupted, match="the SPMD process was stopped"):
+        cell(ip, "--spmd --devices 2", "open(mark, 'w').close()\nwhile True:\n    spin = 1\n")
+    pid = ip._xla_magic_session.history[-1].ranks[0].pid
+    assert pid is not None and not psutil.pid_exists(pid)
+
+
+def test_a_killed_spmd_process_is_reported_by_signal(ip):
+    with pytest.raises(RankError, match="the SPMD process died: SIGKILL"):
+        cell(ip, "--spmd --devices 2", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+
+
+# --- bad input: a UsageError before anything starts ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--spmd --mesh 3", "--mesh 3 holds 3 devices but the cell runs on 8 devices"),
+        ("--spmd --devices 4 --mesh 4,2", "--mesh 4,2 holds 8 devices but the cell runs on 4 devices"),
+        ("--spmd --mesh 4,2 --axes data", "--axes data names 1 axis but --mesh 4,2 has 2 axes"),
+        ("--spmd --axes data,model", "--axes data,model names 2 axes but the default mesh"),
+        ("--mesh 4,2", "--mesh shapes the mesh of an SPMD cell: add --spmd"),
+        ("--axes data", "--axes shapes the mesh of an SPMD cell: add --spmd"),
+    ],
+)
+def test_bad_spmd_options_are_usage_errors_before_anything_starts(ip, line, message):
+    session = ip._xla_magic_session
+    runs = session.run_count
+    with pytest.raises(UsageError) as raised:
+        ip.run_cell_magic("xla_spawn", line, "1")
+    assert type(raised.value) is UsageError and message in str(raised.value), str(raised.value)
+    assert session.run_count == runs  # nothing was sent anywhere
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("start --mesh 4,2", "--mesh shapes the mesh of an SPMD cell: add --spmd"),
+        ("start --spmd --mesh 16", "--mesh 16 holds 16 devices but the cell runs on 8 devices"),
+        ("push a --spmd", "--spmd, --mesh and --axes go with %xla_pool start and restart only"),
+    ],
+)
+def test_bad_spmd_pool_options_are_usage_errors(ip, line, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        ip.run_line_magic("xla_pool", line)
+    assert ip._xla_magic_session.pool is None
+
+
+def test_spmd_against_a_running_rank_pool_says_what_to_do(ip):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        with pytest.raises(UsageError) as raised:
+            ip.run_cell_magic("xla_spawn", "--spmd", "1")
+        assert type(raised.value) is UsageError
+        assert "a pool of 2 ranks (one process per device) is running, so an --spmd cell cannot run in it" in str(
+            raised.value
+        )
+        assert "%xla_pool restart --spmd" in str(raised.value) and "--fresh" in str(raised.value)
+        with pytest.raises(UsageError, match="so an --spmd cell cannot run in it"):
+            ip.run_line_magic("xla_pool", "start --spmd")
+        # --fresh: a new SPMD process beside the rank pool (on CPU nothing holds the devices).
+        value, out, _, _ = cell(ip, "--spmd --fresh --devices 2", "print('beside the pool')\nworld_size")
+        assert (value, out) == (2, "[spmd] beside the pool\n")
+    finally:
+        pool_magic(ip, "stop")
+
+
+# --- the SPMD pool ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spmd_pool(ip):
+    said = pool_magic(ip, "start --spmd --mesh 8,1 --axes fsdp,model")
+    assert said.startswith("pool ready in ") and "one SPMD process driving 8 XLA CPU devices, mesh fsdp=8 × model=1" in said
+    try:
+        yield ip._xla_magic_session.pool
+    finally:
+        pool_magic(ip, "stop")
+        assert ip._xla_magic_session.pool is None
+
+
+STEPS, LR = 4, 0.1
+
+# torch_xla's FSDPv2 example, unchanged but for the names the cell is given.
+FSDP_SETUP = """
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.debug.metrics as met
+from torch import nn
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
+
+module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+module.load_state_dict(initial)
+model = FSDPv2(module, mesh=mesh)
+optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+x, y = inputs.to(device), targets.to(device)
+xs.mark_sharding(x, mesh, ("fsdp", None))
+xs.mark_sharding(y, mesh, ("fsdp", None));
+"""
+
+FSDP_TRAIN = """
+before = (met.metric_data("CompileTime") or (0,))[0]
+losses = []
+for step in range(STEPS):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+params = list(model.parameters())
+(losses, (met.metric_data("CompileTime") or (0,))[0] - before)
+"""
+
+
+def reference_training(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> list[float]:
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(module(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fsdpv2_in_the_pool_trains_like_full_batch_sgd_and_a_repeated_cell_compiles_nothing(ip, spmd_pool):
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
+    module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    ip.user_ns.update(inputs=inputs, targets=targets, initial=module.state_dict(), LR=LR, STEPS=STEPS)
+    assert cell(ip, "", FSDP_SETUP)[0] is None
+    first, first_compiles = cell(ip, "", FSDP_TRAIN)[0]
+    second, second_compiles = cell(ip, "--spmd", FSDP_TRAIN)[0]  # --spmd without a mesh: the pool's
+    assert first_compiles > 0 and second_compiles == 0  # the model, optimiser and graphs stayed
+    expected = reference_training(copy.deepcopy(module), inputs, targets, 2 * STEPS)
+    assert max(abs(got - want) for got, want in zip(first + second, expected)) < 1e-5
+    assert second[-1] < first[0]  # it did train, on from where the first cell stopped
+
+    pool_magic(ip, "pull params")
+    reference = copy.deepcopy(module)
+    reference_training(reference, inputs, targets, 2 * STEPS)
+    pulled = ip.user_ns["params"]
+    assert all(type(p) is torch.Tensor or isinstance(p, nn.Parameter) for p in pulled)
+    assert max((got - want).abs().max().item() for got, want in zip(pulled, reference.parameters())) < 1e-5
+
+
+def test_pool_push_pull_and_a_large_value_through_shared_memory(ip, spmd_pool):
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: above transport's threshold
+    ip.user_ns.update(big=big, factor=3)
+    pool_magic(ip, "push factor")
+    value = cell(ip, "", BACKING + "kept = factor * world_size\n(backing(big.data_ptr()), float(big.sum()))")[0]
+    path, total = value
+    assert path.startswith(os.path.join(transport.SHM_DIR, transport.kernel_prefix())) and total == float(big.sum())
+    pool_magic(ip, "pull kept")
+    assert ip.user_ns["kept"] == 24
+    with pytest.raises(UsageError, match="an SPMD pool is one process, so its value has no --rank"):
+        ip.run_line_magic("xla_pool", "pull kept --rank 1")
+
+
+def test_interrupt_stops_the_cell_and_the_pool_keeps_its_state(ip, spmd_pool):
+    cell(ip, "", "survivor = world_size * 7")
+    mark = os.path.join(tempfile.mkdtemp(prefix="xla_magic-test-"), "running")
+    ip.user_ns["mark"] = mark
+    interrupt_when(mark)
+    with pytest.raises(RunInterrupted, match="keeps its ranks"):
+        cell(ip, "", "open(mark, 'w').close()\nwhile True:\n    spin = 1\n")
+    assert spmd_pool.state == "ready"
+    assert cell(ip, "", "survivor")[0] == 56
+
+
+def test_a_timeout_and_an_exception_in_the_pool_keep_it(ip, spmd_pool):
+    with pytest.raises(RankError, match="timed out after 2 s"):
+        cell(ip, "--timeout 2", "while True:\n    spin = 1\n")
+    with pytest.raises(RankError) as raised:
+        cell(ip, "", "1 / 0\n")
+    assert "[spmd]     1 / 0" in [ANSI.sub("", line) for line in raised.value.render_lines()]
+    assert spmd_pool.state == "ready" and cell(ip, "", "survivor")[0] == 56
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--devices 4", "an SPMD pool (one process, 8 devices, mesh fsdp=8 × model=1) is running, so --devices 4 "
+                        "contradicts it"),
+        ("--backend tpu", "on the cpu backend is running, so --backend tpu contradicts it"),
+        ("--spmd --mesh 4,2", "this cell asks for the mesh data=4 × model=2"),
+        ("--spmd --axes data", "this cell asks for the mesh data=8"),
+    ],
+)
+def test_cells_that_contradict_the_spmd_pool_say_what_to_do(ip, spmd_pool, line, message):
+    with pytest.raises(UsageError) as raised:
+        ip.run_cell_magic("xla_spawn", line, "1")
+    assert type(raised.value) is UsageError and message in str(raised.value), str(raised.value)
+    assert "%xla_pool restart --spmd" in str(raised.value)
+
+
+def test_status_shows_the_spmd_process(ip, spmd_pool):
+    cell(ip, "", "None")
+    with capture_output() as captured:
+        ip.run_line_magic("xla_status", "--text")
+    text = captured.stdout
+    assert "SPMD:     pool: one process, 8 devices, mesh fsdp=8 × model=1; memory per device: torch_xla reports" in text
+    assert "Pool:     ready: one SPMD process driving 8 XLA CPU devices" in text
+    assert "already running: ready: one SPMD process" in pool_magic(ip, "start --spmd")
+
+
+def test_restart_keeps_the_pool_spmd_with_its_mesh(ip, spmd_pool):
+    said = pool_magic(ip, "restart")
+    pool = ip._xla_magic_session.pool
+    assert pool.one_value and (pool.placement.mesh, pool.placement.axes) == ((8, 1), ("fsdp", "model"))
+    assert "pool ready in" in said
+    with pytest.raises(RankError, match="NameError"):
+        cell(ip, "", "survivor")  # the namespace went with the old process
+    assert cell(ip, "", "(tuple(mesh.mesh_shape), mesh.axis_names)")[0] == ((8, 1), ("fsdp", "model"))
+
+
+# --- a real kernel ----------------------------------------------------------------------------
+
+
+def test_spmd_cells_and_pool_in_a_real_kernel():
+    nb = execute(notebook(
+        "%load_ext xla_magic",
+        "%%xla_spawn --spmd --mesh 4,2\n"
+        "import torch, torch_xla.distributed.spmd as xs\n"
+        "t = torch.arange(64.0).reshape(8, 8).to(device)\n"
+        "xs.mark_sharding(t, mesh, ('data', 'model'))\n"
+        "print('before')\n"
+        "show_sharding(t)\n"
+        "print('after')\n"
+        "t.sum()",
+        "%xla_pool start --spmd --devices 4",
+        "%%xla_spawn\nkept = world_size * 10",
+        "%%xla_spawn\nkept + 1",
+        "%xla_pool stop",
+    ))
+    one_shot = nb.cells[1]
+    kinds = [output.output_type for output in one_shot.outputs]
+    assert kinds.index("display_data") > 0 and kinds[-1] == "execute_result"
+    before = "".join(o.text for o in one_shot.outputs[: kinds.index("display_data")] if o.output_type == "stream")
+    assert "[spmd] before" in before and "[spmd] after" not in before  # the picture came where it was asked for
+    assert "[spmd] after" in stream(one_shot, "stdout")
+    picture = one_shot.outputs[kinds.index("display_data")]
+    assert '<div class="xla-magic-sharding"' in picture.data["text/html"]
+    assert one_shot.outputs[-1].data["text/plain"] == "tensor(2016.)"  # one value
+    assert nb.cells[4].outputs[-1].data["text/plain"] == "41"
+    assert "pool stopped" in stream(nb.cells[5], "stdout")
+
+
+def test_a_kernel_that_started_xla_is_refused_spmd_cells_as_rank_cells():
+    nb = execute(
+        notebook(
+            "%load_ext xla_magic",
+            "%xla_pool start --spmd --devices 2",
+            "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
+            "%%xla_spawn\nworld_size",
+            "%%xla_spawn --spmd --fresh --devices 2\nworld_size",
+            "%xla_pool stop",
+        ),
+        PJRT_DEVICE="CPU",
+    )
+    assert "pool ready" in stream(nb.cells[1], "stdout") and "2.0" in text_of(nb.cells[2])
+    for refused in (text_of(nb.cells[3]), text_of(nb.cells[4])):
+        assert "UsageError" in refused and "%%xla_spawn refused: this kernel has initialised an XLA runtime" in refused
+    assert "pool stopped" in stream(nb.cells[5], "stdout")
+
+
+def test_default_axes_stay_in_step_with_the_launcher_side():
+    from xla_magic.launcher import spmd
+
+    assert sharding.SpmdOptions().layout(8) == ((8,), spmd.DEFAULT_AXES[1])
+    assert sharding.SpmdOptions("4,2", None).options() == "--mesh 4,2"
+
+
+def test_the_readmes_fsdpv2_example_shows_what_it_prints(ip):
+    text = (ROOT / "README.md").read_text()
+    example = re.search(r"```python\n(%%xla_spawn --spmd[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
+    assert example, "README's SPMD example and its output are missing"
+    line, body, shown = example.group(1), example.group(2), example.group(3).splitlines()
+    value, out, _err, outputs = cell(ip, line[len("%%xla_spawn"):], body)
+    assert out.splitlines() == [line for line in shown if line.startswith("[spmd]")]
+    assert repr(value) == shown[-1]
+    picture = outputs[0].data["text/plain"].splitlines()
+    assert picture[0] in shown and picture[1:4] == shown[shown.index(picture[0]) + 1 : shown.index(picture[0]) + 4]
