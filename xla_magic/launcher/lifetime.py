@@ -150,6 +150,15 @@ def _descendants(roots: list[int]) -> list[int]:
     return seen
 
 
+def _has_children() -> bool:
+    """Whether this process has any child, alive or ended, without reaping one."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
 def end_descendants() -> None:
     """End every process below this one (a supervisor, once its ranks are gone)."""
     end_trees(children)
@@ -169,10 +178,11 @@ class ChildWatch:
         self._before: set[int] = set()
 
     def note_existing(self) -> None:
-        self._before = set(children(tid=self._tid))
+        self._before = set(children(tid=self._tid)) if _has_children() else set()
 
     def end_new(self) -> None:
-        end_trees(self._new)
+        if _has_children():  # one system call in the common case: a cell that started nothing
+            end_trees(self._new)
 
     def _new(self) -> list[int]:
         return [pid for pid in children(tid=self._tid) if pid not in self._before]
