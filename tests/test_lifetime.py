@@ -145,3 +145,24 @@ def test_a_pool_whose_launcher_died_says_so(ip, spawn):
         assert spawn("", "rank").value == [0, 1]
     finally:
         pool_magic(ip, "stop")
+
+
+def test_a_stopped_rank_shows_as_stopped_while_the_cell_waits(ip, spawn):
+    from xla_magic import widget
+
+    session = ip._xla_magic_session
+    seen: list[str] = []
+
+    def listener(record):
+        state = record.ranks.get(1)
+        if state is not None and state.state == "stopped" and not seen:
+            seen.append(widget.status_panel(session).ranks.value)
+
+    session.listeners.append(listener)
+    try:
+        with pytest.raises(RankError, match=r"timed out after 3 s \(--timeout\) while rank\(s\) 1 stayed stopped by SIGSTOP"):
+            spawn("--devices 2 --timeout 3", "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\nrank")
+    finally:
+        session.listeners.remove(listener)
+    assert seen and ">stopped<" in seen[0]
+    assert spawn("--devices 2", "rank").value == [0, 1]

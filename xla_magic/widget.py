@@ -53,6 +53,7 @@ STATE_COLOURS = {
     "done": "#2e7d32",
     "failed": "#c62828",
     "killed": "#ef6c00",
+    "stopped": "#6a1b9a",  # SIGSTOP/SIGTSTP: the cell waits for it
 }
 OUTCOME_COLOURS = {
     "running": "#1565c0",
