@@ -21,7 +21,7 @@ from IPython.utils.capture import capture_output
 from conftest import kernel_is_xla_free
 from xla_magic import widget
 from xla_magic.display import RankError, RunInterrupted
-from xla_magic.request import RankState, RunRecord
+from xla_magic.record import RankState, RunRecord
 
 
 class Rows(HTMLParser):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from IPython.core.error import UsageError
@@ -33,6 +32,7 @@ from xla_magic import protocol, sharding, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
+from xla_magic.record import RankState, RunRecord
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 STOP_GRACE = 1.5  # between SIGINT, SIGTERM and SIGKILL; how long a pool's ranks get to answer SIGINT
@@ -42,39 +42,6 @@ TICK_INTERVAL = 0.5  # how often listeners hear of a running request with no new
 # so one in native code (an XLA compile, .item(), a sleep) gets this long.
 THREAD_STOP_GRACE = 30.0
 RESEND_INTERRUPT = 0.25  # while a pool rank has not answered, SIGINT again this often
-
-
-@dataclass
-class RankState:
-    state: str = "starting"
-    started: float = field(default_factory=time.monotonic)
-    ended: float | None = None
-    lines: int = 0
-    last_line: str = ""
-    pid: int | None = None
-    memory: dict[str, Any] | None = None
-
-    @property
-    def elapsed(self) -> float:
-        return (self.ended or time.monotonic()) - self.started
-
-
-@dataclass
-class RunRecord:
-    """What the status panel shows of a request."""
-
-    run_id: int
-    cell: str
-    backend: str
-    devices: int
-    mesh: str = ""  # an SPMD run's mesh, as in "data=4 × model=2"; empty for one rank per device
-    started: float = field(default_factory=time.time)
-    duration: float | None = None
-    outcome: str = "running"
-    ranks: dict[int, RankState] = field(default_factory=dict)
-    # Set from any thread (the status panel's Interrupt button); the request
-    # stops as if the notebook's stop button had been pressed.
-    interrupt_requested: bool = False
 
 
 _ENDED_STATES = ("done", "failed", "killed")

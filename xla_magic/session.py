@@ -19,7 +19,8 @@ from xla_magic import payload, probe, protocol, sharding, transport
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
 from xla_magic.ranks import Ranks
-from xla_magic.request import Request, RunRecord
+from xla_magic.record import RunRecord
+from xla_magic.request import Request
 
 
 def plan(

@@ -28,7 +28,7 @@ from xla_magic import probe
 from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
 from xla_magic.ranks import Ranks
-from xla_magic.request import RankState, RunRecord
+from xla_magic.record import RankState, RunRecord
 from xla_magic.session import Session
 
 HISTORY_SHOWN = 10

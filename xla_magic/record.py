@@ -1,0 +1,44 @@
+"""What the status panel shows of a request and of each rank in it. Runs in the kernel.
+
+Written by the request that runs (request.py), read by ``%xla_status``
+(widget.py) and kept in the session's recent history.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RankState:
+    state: str = "starting"
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    lines: int = 0
+    last_line: str = ""
+    pid: int | None = None
+    memory: dict[str, Any] | None = None
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+
+@dataclass
+class RunRecord:
+    """What the status panel shows of a request."""
+
+    run_id: int
+    cell: str
+    backend: str
+    devices: int
+    mesh: str = ""  # an SPMD run's mesh, as in "data=4 × model=2"; empty for one rank per device
+    started: float = field(default_factory=time.time)
+    duration: float | None = None
+    outcome: str = "running"
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    # Set from any thread (the status panel's Interrupt button); the request
+    # stops as if the notebook's stop button had been pressed.
+    interrupt_requested: bool = False
