@@ -117,15 +117,19 @@ class Request:
         Called from inside :meth:`wait`, so an interrupt while sending stops
         the ranks that got the request like any other interrupt; a rank that
         got none of it is not waited for, one that got part of it broke the
-        set (:meth:`Ranks.send`).
+        set (:meth:`Ranks.send`). An interrupt can land just as a send has
+        finished, before it is counted: that rank may have the whole request
+        and be running its cell, so it stays to be interrupted and waited for.
         """
         self.sent = True
         for rank in self.targets:
             self.record.ranks[rank].state = "running"
         self.on_update(self.record)
         asked: set[int] = set()
+        sending: int | None = None
         try:
             for rank in self.targets:
+                sending = rank
                 try:
                     self.ranks.send(rank, self.frame)
                 except OSError as exc:
@@ -134,9 +138,10 @@ class Request:
                     self.done.add(rank)
                     continue
                 asked.add(rank)
+            sending = None
         finally:
             for rank in self.targets:
-                if rank not in asked and rank not in self.done:
+                if rank not in asked and rank not in self.done and rank != sending:
                     self.done.add(rank)
                     self._rank_state(rank, "killed")
             self.delivered = len(asked) == len(self.targets)
