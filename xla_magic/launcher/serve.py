@@ -165,6 +165,7 @@ class RankServer:
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None
         self.children = lifetime.ChildWatch()
+        self.children.note_existing()  # what set-up started is not the first request's to end
         rank_module.set_display(self.display)
         self._filename = "<xla_pool>"
         self._results: transport.SegmentWriter | None = None
@@ -203,6 +204,7 @@ class RankServer:
         seq = fields.get("seq")
         started = time.monotonic()
         ok = False
+        self.children.note_existing()  # every request ends only what it started
         try:
             handler = self._handlers.get(kind)
             if handler is None:
@@ -250,7 +252,6 @@ class RankServer:
 
     def run_cell(self, fields: dict[str, Any]) -> bytes:
         seq = fields["seq"]
-        self.children.note_existing()
         plain, objects = self.shipped.values_for(fields)
         self.namespace.update(plain)
         if objects:
