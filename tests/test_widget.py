@@ -72,11 +72,20 @@ def test_text_outside_a_notebook_says_how_to_get_the_widget(ip, spawn):
     assert "kernel is XLA-free" in text
     assert f"torch_xla {metadata.version('torch_xla')}," in text  # what this stack's venv has
     assert "Launcher: running, pid" in text
-    assert "pip install ipywidgets" in text
+    # ipywidgets is installed here: the hint names what is missing, a notebook front end.
+    assert "The live panel shows in a notebook front end (JupyterLab" in text
+    assert "this shell is not one" in text and "pip install ipywidgets" not in text
     run = ip._xla_magic_session.history[-1]
     assert f"Ranks of run {run.run_id}: 2 devices, cpu backend, done" in text
     assert "warm 1" in text
     assert kernel_is_xla_free()
+
+
+def test_the_panel_hint_says_what_is_missing_where_it_runs():
+    assert "%pip install ipywidgets" in widget.panel_hint(notebook=True, widgets=False)
+    terminal = widget.panel_hint(notebook=False, widgets=True)
+    assert "notebook front end" in terminal and "ipywidgets" not in terminal
+    assert "with ipywidgets installed" in widget.panel_hint(notebook=False, widgets=False)
 
 
 def test_panel_after_a_run_that_succeeds(ip, spawn, panel):

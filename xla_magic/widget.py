@@ -35,10 +35,7 @@ HISTORY_SHOWN = 10
 LAST_LINE_CHARS = 80
 CELL_CHARS = 48
 REDRAW_INTERVAL = 0.2  # seconds between redraws while a run is in progress
-WIDGET_HINT = (
-    "For the live panel, run %xla_status in Jupyter (JupyterLab, Notebook 7, VS Code, "
-    "Colab) with ipywidgets installed: pip install ipywidgets"
-)
+NOTEBOOK_FRONT_ENDS = "JupyterLab, Notebook, VS Code or Colab"
 # What each version needs, in one place. The panel uses only widgets and
 # traits that ipywidgets 7.7.1 (Colab's) and 8.x both have, with the same
 # names: HTML.value, Button (description, icon, button_style, tooltip,
@@ -505,12 +502,22 @@ def widgets_available() -> bool:
     return True
 
 
+def panel_hint(notebook: bool, widgets: bool) -> str:
+    """How to get the live panel, in words that are true where %xla_status just printed text."""
+    if notebook:  # a kernel whose front end draws widgets, without ipywidgets
+        return "For the live panel, install ipywidgets in this kernel (%pip install ipywidgets), then run %xla_status again."
+    where = f"The live panel shows in a notebook front end ({NOTEBOOK_FRONT_ENDS})"
+    if not widgets:
+        where += " with ipywidgets installed in its kernel"
+    return where + "; this shell is not one, so %xla_status prints text here (--text does everywhere)."
+
+
 def show_status(session: Session, shell: Any, text: bool = False) -> None:
     """Display the live panel in a notebook; print the facts as text elsewhere."""
     if text or not in_notebook(shell) or not widgets_available():
         print(render_text(snapshot(session)))
         if not text:
-            print(WIDGET_HINT)
+            print(panel_hint(in_notebook(shell), widgets_available()))
         return
     from IPython.display import display
 
