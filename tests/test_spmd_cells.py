@@ -414,8 +414,13 @@ def test_the_readmes_fsdpv2_example_shows_what_it_prints(ip):
     example = re.search(r"```python\n(%%xla_spawn --spmd[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
     assert example, "README's SPMD example and its output are missing"
     line, body, shown = example.group(1), example.group(2), example.group(3).splitlines()
-    value, out, _err, outputs = cell(ip, line[len("%%xla_spawn"):], body)
-    assert out.splitlines() == [line for line in shown if line.startswith("[spmd]")]
+    value, out, err, outputs = cell(ip, line[len("%%xla_spawn"):], body)
+    # stdout lines exactly; stderr's (the two warnings the README explains) but for XLA's timestamp.
+    stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+")
+    err_lines = [stamp.sub("T", re.sub(r"\x1b\[[0-9;]*m", "", line)) for line in err.splitlines()]
+    warnings = [line for line in shown if " UserWarning: " in line or "GSPMD" in line]
+    assert len(warnings) == 2 and all(stamp.sub("T", line) in err_lines for line in warnings), err_lines
+    assert out.splitlines() == [line for line in shown if line.startswith("[spmd]") and line not in warnings]
     assert repr(value) == shown[-1]
     picture = outputs[0].data["text/plain"].splitlines()
     assert picture[0] in shown and picture[1:4] == shown[shown.index(picture[0]) + 1 : shown.index(picture[0]) + 4]
