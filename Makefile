@@ -11,8 +11,10 @@ setup:
 demo: setup
 	$(PY) scripts/demo.py
 
-# The whole suite on the current stack, and what differs on Colab's and Kaggle's.
+# The whole suite on the current stack, and what differs on Colab's and Kaggle's;
+# first Debian's chromium for the browser test, when missing (scripts/install-browser).
 test:
+	@scripts/install-browser
 	XLA_MAGIC_VENV="$(VENV)" scripts/test-stacks $(STACKS)
 
 bench: setup

@@ -174,3 +174,29 @@ def test_the_first_example_shows_what_it_prints(spawn):
     for printed in lines:
         if printed != "...":
             assert printed in run.lines(), f"the example shows {printed!r}, the cell printed {run.lines()}"
+
+
+@pytest.fixture(scope="module")
+def figures():
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "docs" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_setup_and_suite_figures_are_the_measured_ones(figures):
+    """README's figures are docs/figures.py's rendering of its last measurement, and the counts are today's."""
+    import json
+    import sys
+
+    measured = json.loads(figures.FIGURES.read_text())
+    assert figures.section_in(readme()) == figures.render(measured), (
+        "README.md's set-up figures are not docs/figures.json's: run python docs/figures.py"
+    )
+    for stack in figures.STACKS:
+        now = figures.collected(sys.executable, stack)
+        assert measured["stacks"][stack]["collected"] == now, (
+            f"the {stack} stack collects {now} tests, the README's figures say "
+            f"{measured['stacks'][stack]['collected']}: measure again with python docs/figures.py --measure"
+        )
+        assert measured["stacks"][stack]["failed"] == 0, f"the measured {stack} run failed tests"
