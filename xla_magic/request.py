@@ -337,6 +337,7 @@ class Request:
                 self._fail(rank, fields["type"], fields["message"], fields.get("traceback", ""))
         elif kind == protocol.DONE:
             self.done.add(rank)
+            self.record.ranks[rank].processes = list(fields.get("processes", ()))
             if rank not in self.failures:
                 self._rank_state(rank, "done")
 
