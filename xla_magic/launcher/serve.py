@@ -174,6 +174,7 @@ class RankServer:
         self._serving = ""  # the cell being served, or the last one, for errors outside it
         self._idle_failure: BaseException | None = None  # raised between requests, told with the next
         self.seq: Any = START_SEQ  # the request being answered, or the last one
+        self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
@@ -185,20 +186,23 @@ class RankServer:
         """Answer requests until the kernel closes the socket."""
         while True:
             try:
+                if not self._wait_for_request():
+                    continue
                 request = self.channel.recv()
-            except OSError:
-                return
-            except Exception as exc:  # a signal handler of the cell's (torch's SIGCHLD) raised while idle
-                self._idle_failure = exc
-                continue
-            if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
-                return
-            if request.kind == protocol.SHOWN:
-                continue  # the answer to a display that an interrupt stopped waiting for
-            try:
+                if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
+                    return
+                if request.kind == protocol.SHOWN:
+                    continue  # the answer to a display that an interrupt stopped waiting for
                 self.answer(request)
             except OSError:
                 return  # the kernel is gone
+            except Exception as exc:  # a signal handler of the cell's (torch's SIGCHLD) raised between requests
+                self.failed_outside(exc)
+
+    def _wait_for_request(self) -> bool:
+        """Wait until a request is there to read: a signal handler that raises (see failed_outside)
+        then raises here, and never just after a request was read, which would lose it."""
+        return bool(select.select([self.channel.sock], [], [])[0])
 
     def answer(self, request: protocol.Event) -> bool:
         """Answer one request (interrupts stop its cell only); True when it succeeded."""
@@ -212,7 +216,6 @@ class RankServer:
         kind, fields = request
         seq = fields.get("seq")
         started = time.monotonic()
-        ok = False
         self.seq = seq
         self.children.note_existing()  # a one-shot request ends only what it started
         if self._idle_failure is not None:  # told now, as this request's answer, rather than never
@@ -221,6 +224,7 @@ class RankServer:
             return False
         if kind == protocol.CELL:
             self._serving = fields.get("source", "")
+        ok = False
         try:
             handler = self._handlers.get(kind)
             if handler is None:
@@ -234,9 +238,23 @@ class RankServer:
         except OSError:
             raise  # the kernel is gone
         except Exception as exc:  # ours, or a signal handler of the cell's, raising after the cell
-            self.finish(seq, self.outside_error_frame(seq, exc, "after its cell"), started)
+            self.failed_outside(exc, started)
             return False
         return ok
+
+    def failed_outside(self, exc: BaseException, started: float | None = None) -> None:
+        """Something raised in this rank outside the cell's code: it is the rank's error, never a silent death.
+
+        Signal handlers run wherever the rank is (torch's SIGCHLD handler
+        raises when a DataLoader worker dies). While a request waits for its
+        answer, this is the answer; once it is answered, the next request is
+        answered with it instead of running.
+        """
+        if self._answered == self.seq:
+            self._idle_failure = exc
+        else:
+            self.finish(self.seq, self.outside_error_frame(self.seq, exc, "after its cell"),
+                        started if started is not None else time.monotonic())
 
     def finish(self, seq: Any, reply: bytes | None, started: float) -> None:
         """End what a one-shot request started, flush the rank's output, then send the reply and DONE in one write.
@@ -252,6 +270,7 @@ class RankServer:
                                processes=self.children.kept())
         with self.channel.lock:
             self.channel.sock.sendall(reply + done if reply else done)
+        self._answered = seq
 
     def display(self, what: str, data: Any) -> None:
         """Have the kernel display ``data`` (its view for ``what``) in the running cell, after the output so far.
@@ -332,13 +351,13 @@ class RankServer:
         cell = self._serving.strip().splitlines()
         serving = f"the cell starting {cell[0][:80]!r}" if cell else "no cell yet"
         goes_on = "" if self.one_shot else "; the pool's rank goes on serving"
+        where = f"(raised in the rank {when}, outside the cell's code, while it served {serving}{goes_on})"
         return protocol.encode(
             protocol.ERROR,
             seq=seq,
             type=type(exc).__name__,
-            message=(f"{rank_module.exception_message(exc)} (raised in the rank {when}, outside the cell's "
-                     f"code, while it served {serving}{goes_on})"),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            message=f"{rank_module.exception_message(exc)} {where}",
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + where + "\n",
         )
 
     def error_frame(self, seq: Any, exc: BaseException, with_traceback: bool) -> bytes:
