@@ -110,11 +110,16 @@ def test_what_a_pool_cell_starts_serves_the_next_cell_and_ends_with_the_pool():
             assert set(a["epoch"][1]) <= set(b["kept"])
         kept = {pid for rank in (0, 1) for pid in second[rank]["kept"]}
         assert len(kept) >= 2 * (2 + 2 + 1)  # per rank: loader workers, pool workers, the server
-        reply, text = kernel.run("%xla_status")
+        reply, text = kernel.run("%xla_status --text")
+        reply, panel = kernel.run("from xla_magic import widget\n"
+                                  "print(widget.status_panel(get_ipython()._xla_magic_session).ranks.value)")
         for rank in (0, 1):
             row = next(line for line in text.splitlines() if re.match(rf"\s+{rank}\s+done", line))
-            assert f"{len(second[rank]['kept'])}: " in row, row  # how many, then the first pids
-            assert str(second[rank]["kept"][0]) in row, row
+            count = len(second[rank]["kept"])
+            shown = re.search(r" (\d+): ((?:\d+ )+)", row)  # how many, then the first pids
+            assert shown and int(shown[1]) == count, row
+            assert {int(pid) for pid in shown[2].split()} <= set(second[rank]["kept"]), row
+            assert re.search(rf'data-rank="{rank}".*?class="xla-processes" data-count="{count}"', panel), panel
         reply, text = kernel.run("%xla_pool stop")
         assert reply["status"] == "ok" and "pool stopped" in text, text
         assert gone(kept), [p for p in kept if psutil.pid_exists(p)]
