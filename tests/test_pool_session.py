@@ -186,3 +186,30 @@ def test_a_one_shot_cell_ends_a_persistent_dataloaders_workers_without_a_word_fr
     assert "exited unexpectedly" not in run.stderr
     assert gone({pid for _, pids in run.value for pid in pids})
     assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+THREAD_CELL = """
+import multiprocessing, os, time
+from torch.utils.data import DataLoader
+if 'loader' not in globals():
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, persistent_workers=True,
+                        worker_init_fn=lambda _: None)
+    sleeper = multiprocessing.Process(target=time.sleep, args=(300,))  # not a daemon: exit would join it
+    sleeper.start()
+batches = list(loader)
+(int(sum(b.sum() for b in batches)), sorted(w.pid for w in loader._iterator._workers), sleeper.pid)
+"""
+
+
+def test_on_the_tpu_launch_path_a_pool_keeps_what_its_rank_threads_start_and_its_stop_ends_it(ip, spawn, monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # the tpu launch path: xmp.spawn's rank threads on the CPU
+    pool_magic(ip, "start --devices 2 --backend tpu")
+    try:
+        first = spawn("", THREAD_CELL).value
+        second = spawn("", THREAD_CELL).value
+        assert first == second and [total for total, _, _ in first] == [28, 28]
+        pids = {pid for _, workers, sleeper in first for pid in [*workers, sleeper]}
+        assert len(pids) == 6 and all(psutil.pid_exists(pid) for pid in pids)
+    finally:
+        pool_magic(ip, "stop")
+    assert gone(pids), [p for p in pids if psutil.pid_exists(p)]

@@ -218,6 +218,12 @@ class ChildWatch:
             with _quiet_sigchld():
                 end_trees(self._new)
 
+    def end_all(self) -> None:
+        """End every process below this rank (a pool's end), before the rank's own exit can wait on any."""
+        if _has_children():
+            with _quiet_sigchld():
+                end_trees(lambda: children(tid=self._tid))
+
     def kept(self) -> list[int]:
         """The live processes below this rank (its children and theirs), for the status panel."""
         if not _has_children():

@@ -420,6 +420,9 @@ def serve(
                 return server._answer(request)
             server.finish(START_SEQ, None, started)
         server.serve()
+        # The pool's end: what its cells started ends now, before this process's
+        # exit could wait on a child (multiprocessing joins its own at exit).
+        server.children.end_all()
         return True
     except KeyboardInterrupt:
         return False  # arrived just as the request ended: it is answered
