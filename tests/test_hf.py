@@ -140,10 +140,15 @@ json.dump(result, open(out + "/result.json", "w"))
 """
 
 
-def trainer_reference(source: str, out: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def start_trainer_reference(source: str, out: str) -> subprocess.Popen:
     env = {**os.environ, "USE_TORCH_XLA": "0", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", REFERENCE, source, out], env=env, check=True, timeout=600,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-c", REFERENCE, source, out], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def trainer_reference(process: subprocess.Popen, out: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    _, errors = process.communicate(timeout=600)
+    assert process.returncode == 0, errors
     with open(os.path.join(out, "result.json")) as result:
         return json.load(result), torch.load(os.path.join(out, "weights.pt"))
 
@@ -154,8 +159,11 @@ def test_hf_trainer_trains_evaluates_and_saves_at_8_ranks_as_one_process_does(sp
     source = TRAINER.replace("OPTIM", ', optim="adamw_torch"')
     (tmp_path / "ranks").mkdir()
     (tmp_path / "one").mkdir()
-    run = spawn(f"--devices {RANKS}", source, out=str(tmp_path / "ranks"))
-    expected, expected_weights = trainer_reference(source, str(tmp_path / "one"))
+    reference = start_trainer_reference(source, str(tmp_path / "one"))  # meanwhile
+    try:
+        run = spawn(f"--devices {RANKS}", source, out=str(tmp_path / "ranks"))
+    finally:
+        expected, expected_weights = trainer_reference(reference, str(tmp_path / "one"))
     assert expected["device"] == "cpu" and expected["world_size"] == 1
     for rank, got in enumerate(run.value):
         assert got["process_index"] == got["local_process_index"] == rank
