@@ -200,8 +200,11 @@ class RankServer:
                 self.failed_outside(exc)
 
     def _wait_for_request(self) -> bool:
-        """Wait until a request is there to read: a signal handler that raises (see failed_outside)
-        then raises here, and never just after a request was read, which would lose it."""
+        """Wait until a request is there to read.
+
+        A signal handler that raises while the rank is idle (see failed_outside)
+        then raises here, and not just after a request was read, which would lose it.
+        """
         return bool(select.select([self.channel.sock], [], [])[0])
 
     def answer(self, request: protocol.Event) -> bool:
