@@ -98,6 +98,22 @@ def test_what_a_pool_cell_starts_ends_when_the_pool_restarts(ip, spawn):
         pool_magic(ip, "stop")
 
 
+def test_what_a_pool_cell_starts_ends_when_a_rank_dies_however_it_detached(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        run = spawn("", DETACHED)
+        pids = [pid for per_rank in run.value for pid in per_rank if alive(pid)]
+        assert len(pids) >= 4
+        victim = ip._xla_magic_session.pool.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        assert wait_gone([victim])
+        with pytest.raises((UsageError, RankError), match="rank 1 died"):  # before or as the cell is sent
+            spawn("", "rank")
+        assert wait_gone(pids), [pid for pid in pids if alive(pid)]  # the broken pool's, rank 0's too
+    finally:
+        pool_magic(ip, "stop")
+
+
 def test_a_result_whose_loading_raises_systemexit_names_the_rank(spawn):
     cell = "class Leaving:\n    def __reduce__(self):\n        return (exit, (3,))\nLeaving() if rank == 1 else rank"
     with pytest.raises(RankError, match=r"rank\(s\) 1 failed.*SystemExit.*could not load rank 1's result") as info:
