@@ -308,11 +308,15 @@ def check_case(ip, spawn, mode: str, case: Case, marks: str) -> None:
             f"{len(said)} of {case.last_words} lines arrived, or out of order"
         )
     started = {int(name) for name in os.listdir(marks)}
-    assert_gone(started)
+    pool = ip._xla_magic_session.pool
+    kept = mode == "pool" and pool is not None and pool.state not in ("broken", "stopped")
+    if kept:  # a pool is a session: what its cell started lives until it ends
+        assert all(psutil.pid_exists(pid) for pid in started)
+    else:
+        assert_gone(started)
     if mode == "pool" and case.pool_breaks is not None and case.cell is not None:
-        pool = ip._xla_magic_session.pool
         assert (pool.state == "broken") == case.pool_breaks, f"pool state {pool.state}: {pool.problem}"
-    allowed = pool_processes(ip) if mode == "pool" else set()
+    allowed = pool_processes(ip) | (started | kept_below(started) if kept else set()) if mode == "pool" else set()
     deadline = time.monotonic() + 10
     while [p for p in extension_processes(ip) if p.pid not in allowed] and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -320,7 +324,22 @@ def check_case(ip, spawn, mode: str, case: Case, marks: str) -> None:
     assert left == [], f"left after the cell: {[(p.pid, p.cmdline()) for p in left]}"
     if case.during is not kill_the_launcher:
         assert ip._xla_magic_session.launcher.alive(), "the launcher must survive faults"
+    if kept and started:
+        with capture_output():
+            ip.run_line_magic("xla_pool", "restart")  # ends the old ranks and all they kept
+        assert_gone(started)
     assert_next_cell_works_in(ip, spawn, mode)
+
+
+def kept_below(pids: set[int]) -> set[int]:
+    """What the processes ``pids`` started in turn (a Popen's exec, a daemon's children)."""
+    found = set()
+    for pid in pids:
+        try:
+            found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def when_running(ip, action: Callable[[], None], delay: float = 0.3):

@@ -1,4 +1,4 @@
-"""What a cell starts ends with it, unless it asks to keep it; a dead launcher is named as such.
+"""What a one-shot cell starts ends with it, what a pool cell starts ends with the pool; a dead launcher is named.
 
 Real processes in a real shell: subprocesses, forks and daemons started by
 cells, a launcher killed with SIGKILL, a result whose loading raises SystemExit.
@@ -18,7 +18,6 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from xla_magic.display import RankError
-from xla_magic.kernel_strategy import OutsideSpawnError
 
 ENDS_WITHIN = 30.0
 
@@ -59,52 +58,60 @@ DETACHED = (
 )
 
 
-def test_everything_a_pool_request_starts_ends_with_the_request_and_the_pool_lives_on(ip, spawn):
+def test_everything_a_one_shot_cell_starts_ends_with_it(spawn):
+    started = time.monotonic()
+    run = spawn("--devices 2", DETACHED)
+    assert time.monotonic() - started < ENDS_WITHIN
+    pids = [pid for per_rank in run.value for pid in per_rank]
+    assert len(pids) >= 4  # the helper and the daemon of each rank
+    assert wait_gone(pids), [pid for pid in pids if alive(pid)]
+
+
+def test_what_a_pool_cell_starts_lives_until_the_pool_stops_however_it_detached(ip, spawn):
     pool_magic(ip, "start --devices 2 --backend cpu")
     try:
         started = time.monotonic()
         run = spawn("", DETACHED)
-        assert time.monotonic() - started < ENDS_WITHIN
-        pids = [pid for per_rank in run.value for pid in per_rank]
+        assert time.monotonic() - started < ENDS_WITHIN  # the children hold the ranks' output open
+        # The daemons' middle processes are zombies, as in any Python session that forks and never waits.
+        pids = [pid for per_rank in run.value for pid in per_rank if alive(pid)]
         assert len(pids) >= 4  # the helper and the daemon of each rank
-        assert wait_gone(pids), [pid for pid in pids if alive(pid)]
+        assert spawn("", "helper.poll() is None").value == [True, True]
+        assert all(alive(pid) for pid in pids)
+        # The status panel names them, rank by rank.
+        kept = {rank: state.processes for rank, state in ip._xla_magic_session.history[-1].ranks.items()}
+        assert sorted(pid for per_rank in kept.values() for pid in per_rank) == sorted(pids)
+    finally:
+        pool_magic(ip, "stop")
+    assert wait_gone(pids), [pid for pid in pids if alive(pid)]
+
+
+def test_what_a_pool_cell_starts_ends_when_the_pool_restarts(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        run = spawn("", "import subprocess\nhelper = subprocess.Popen(['sleep', '300'])\nhelper.pid")
+        assert all(alive(pid) for pid in run.value)
+        pool_magic(ip, "restart")
+        assert wait_gone(run.value)
         assert spawn("", "rank").value == [0, 1]
     finally:
         pool_magic(ip, "stop")
 
 
-def test_a_kept_helper_outlives_its_request_and_ends_with_the_pool(ip, spawn):
+def test_what_a_pool_cell_starts_ends_when_a_rank_dies_however_it_detached(ip, spawn):
     pool_magic(ip, "start --devices 2 --backend cpu")
     try:
-        cell = ("import subprocess, xla_magic\n"
-                "helper = subprocess.Popen(['sleep', '300'])\n"
-                "xla_magic.keep(helper)\n"
-                "other = subprocess.Popen(['sleep', '300'])\n"
-                "(helper.pid, other.pid)")
-        run = spawn("", cell)
-        kept = [pair[0] for pair in run.value]
-        ended = [pair[1] for pair in run.value]
-        assert wait_gone(ended)
-        assert all(alive(pid) for pid in kept)
-        assert spawn("", "helper.poll() is None").value == [True, True]
+        run = spawn("", DETACHED)
+        pids = [pid for per_rank in run.value for pid in per_rank if alive(pid)]
+        assert len(pids) >= 4
+        victim = ip._xla_magic_session.pool.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        assert wait_gone([victim])
+        with pytest.raises((UsageError, RankError), match="rank 1 died"):  # before or as the cell is sent
+            spawn("", "rank")
+        assert wait_gone(pids), [pid for pid in pids if alive(pid)]  # the broken pool's, rank 0's too
     finally:
         pool_magic(ip, "stop")
-    assert wait_gone(kept)
-
-
-def test_keep_in_a_one_shot_cell_says_the_helper_still_ends_with_it(spawn):
-    run = spawn("--devices 1", "import subprocess, xla_magic\nxla_magic.keep(subprocess.Popen(['sleep', '300']))")
-    assert "still ends with this cell" in run.stderr
-    assert wait_gone(run.value)
-
-
-def test_keep_in_the_kernel_says_where_it_belongs():
-    import xla_magic
-
-    with pytest.raises(OutsideSpawnError, match="inside a %%xla_spawn cell"):
-        xla_magic.keep(os.getpid())
-    with pytest.raises(TypeError, match="Popen or a process id"):
-        xla_magic.keep("tensorboard")
 
 
 def test_a_result_whose_loading_raises_systemexit_names_the_rank(spawn):

@@ -10,9 +10,8 @@ import os
 from typing import Any
 
 from xla_magic.kernel_strategy import strategy
-from xla_magic.processes import keep
 
-__all__ = ["strategy", "keep", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["strategy", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
 
 _MAGIC_NAMES = {"cell": ("xla_spawn",), "line": ("xla_status", "xla_pool")}

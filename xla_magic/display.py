@@ -217,6 +217,13 @@ KNOWN_PROBLEMS = [
         "an XLA runtime was started before the ranks: keep every use of the XLA "
         "device inside %%xla_spawn cells and restart the kernel if it touched one.",
     ),
+    (
+        # HF Trainer's default optimizer (adamw_torch_fused) on XLA tensors.
+        r"`?fused=True`? requires all the params to be floating point Tensors of supported devices",
+        "torch's fused AdamW does not run on XLA devices, and it is the HF Trainer's default "
+        "optimizer: pass optim=\"adamw_torch\" to TrainingArguments (or fused=False to "
+        "torch.optim.AdamW).",
+    ),
     # The host's memory before the device's: our own SIGKILL hint says "ran out
     # of memory", and the device advice would contradict it.
     (

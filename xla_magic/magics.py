@@ -147,8 +147,8 @@ class XlaMagics(Magics):
         """Show devices, the kernel's XLA state, the launcher, the pool and the ranks.
 
         In a notebook this is a live ipywidgets panel: the ranks of the running
-        (or last) cell with their state, elapsed time, lines, last line and
-        device memory, the recent runs, and buttons to interrupt the run and
+        (or last) cell with their state, elapsed time, lines, last line,
+        device memory and the processes each keeps (a pool's), the recent runs, and buttons to interrupt the run and
         stop the pool. Elsewhere it prints the same facts as text.
         """
         args = parse_argstring(self.xla_status, line)

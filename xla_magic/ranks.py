@@ -261,6 +261,23 @@ class Ranks:
     def kill(self) -> None:
         self.signal_group(signal.SIGKILL)
 
+    def kill_ranks(self) -> None:
+        """SIGKILL the rank processes, not their supervisor: it reports their exits, then
+        ends everything they started, however it detached (it is their subreaper), and says ENDED."""
+        for pid in set(self.pids.values()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def end_broken(self) -> None:
+        """End what is left of a broken set, and everything its ranks started (a pool keeps what its cells start)."""
+        try:
+            self.kill_ranks()
+            self._wait_for_supervisor(STOP_WAIT)
+        finally:
+            self.kill()
+
     # -- state -------------------------------------------------------------
 
     def mark_broken(self, reason: str, guess: bool = False) -> None:
@@ -361,7 +378,9 @@ class Ranks:
         for conn in self.events + self.outputs:
             conn.sock.close()
         try:
-            if self.state != "broken" and self.supervisor_pid is not None:
+            if self.state == "broken":
+                self.kill_ranks()  # their supervisor then ends what they started
+            if self.supervisor_pid is not None:
                 self._wait_for_supervisor(STOP_WAIT)
         finally:
             self.kill()
@@ -397,6 +416,7 @@ class Ranks:
                         continue
                     return
                 if any(event.kind in (protocol.ENDED, protocol.BROKEN) for event in supervisor.reader.feed(data)):
+                    self.ended = True
                     return
 
     @staticmethod

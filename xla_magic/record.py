@@ -20,6 +20,7 @@ class RankState:
     last_line: str = ""
     pid: int | None = None
     memory: dict[str, Any] | None = None
+    processes: list[int] = field(default_factory=list)  # live processes below the rank, as of its last DONE
 
     @property
     def elapsed(self) -> float:

@@ -106,6 +106,7 @@ class Request:
         self._pump(0)  # a rank that died since, stray output
         if self.ranks.state == "broken":
             self._finish("failed")
+            self._after()  # what is left of the pool ends now, with all its cells started
             raise UsageError(
                 f"the pool lost a rank before this request ({self.ranks.problem}); nothing ran. {RESTART_HINT}."
             )
@@ -189,7 +190,7 @@ class Request:
         if self.ranks.state == "running":
             self.ranks.state = "ready"
         elif self.ranks.state == "broken" and self.ranks.keep:
-            self.ranks.kill()  # what is left of a broken pool only holds memory and devices
+            self.ranks.end_broken()  # what is left only holds memory, devices and what its cells started
             self.ranks.release_memory()
 
     def _settled(self, rank: int) -> bool:
@@ -337,6 +338,7 @@ class Request:
                 self._fail(rank, fields["type"], fields["message"], fields.get("traceback", ""))
         elif kind == protocol.DONE:
             self.done.add(rank)
+            self.record.ranks[rank].processes = list(fields.get("processes", ()))
             if rank not in self.failures:
                 self._rank_state(rank, "done")
 
@@ -470,7 +472,7 @@ class Request:
             if pending:
                 self._interrupt(pending, reason)
         if self.ranks.state == "broken" and self.ranks.keep:
-            self.ranks.kill()
+            self.ranks.kill_ranks()
             self._wait_for_ranks(pending, EXIT_CODE_WAIT)
         elif not self.ranks.keep:
             self._escalate(signal.SIGTERM if reason == "failure" else signal.SIGINT)

@@ -34,6 +34,7 @@ from xla_magic.session import Session
 HISTORY_SHOWN = 10
 LAST_LINE_CHARS = 80
 CELL_CHARS = 48
+PIDS_SHOWN = 4  # pids listed per rank; the count says how many more
 REDRAW_INTERVAL = 0.2  # seconds between redraws while a run is in progress
 NOTEBOOK_FRONT_ENDS = "JupyterLab, Notebook, VS Code or Colab"
 # What each version needs, in one place. The panel uses only widgets and
@@ -228,6 +229,14 @@ def cell_summary(cell: str) -> str:
     return first if len(first) <= CELL_CHARS else first[: CELL_CHARS - 1] + "…"
 
 
+def format_processes(pids: list[int], shown: int = PIDS_SHOWN) -> str:
+    """The processes a rank keeps: how many, and their pids ("2: 4711 4712"); "-" for none."""
+    if not pids:
+        return "-"
+    listed = " ".join(str(pid) for pid in pids[:shown])
+    return f"{len(pids)}: {listed}{' …' if len(pids) > shown else ''}"
+
+
 def shorten(text: str, limit: int = LAST_LINE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -254,11 +263,12 @@ def render_text(snap: Snapshot) -> str:
     lines += [f"  {fact.label + ':':<10}{'!! ' if fact.alarm else ''}{fact.text}" for fact in snap.facts]
     if snap.run is not None:
         lines.append(f"Ranks of {run_headline(snap.run)}")
-        lines.append(f"  {'rank':>4}  {'state':<8} {'elapsed':>10} {'lines':>6}  {'memory':<28} last line")
+        lines.append(f"  {'rank':>4}  {'state':<8} {'elapsed':>10} {'lines':>6}  {'memory':<28} "
+                     f"{'processes':<20} last line")
         for rank, state in sorted(snap.run.ranks.items()):
             lines.append(
                 f"  {rank:>4}  {state.state:<8} {format_seconds(state.elapsed):>10} {state.lines:>6}  "
-                f"{format_memory(state.memory):<28} {shorten(state.last_line)}"
+                f"{format_memory(state.memory):<28} {format_processes(state.processes):<20} {shorten(state.last_line)}"
             )
         note = rank_memory_note(snap.run)
         if note:
@@ -316,6 +326,7 @@ def rank_row(rank: int, state: RankState) -> str:
         f"<td>{rank}</td><td>{chip(state.state, STATE_COLOURS.get(state.state, '#757575'))}</td>"
         f"<td>{format_seconds(state.elapsed)}</td><td>{state.lines}</td>"
         f"<td>{html.escape(format_memory(state.memory))}</td>"
+        f'<td class="xla-processes" data-count="{len(state.processes)}">{format_processes(state.processes)}</td>'
         f'<td class="xla-mono">{html.escape(shorten(state.last_line))}</td></tr>'
     )
 
@@ -328,7 +339,7 @@ def ranks_html(run: RunRecord | None) -> str:
         f'<h4>Ranks <span class="xla-run" data-run="{run.run_id}" data-outcome="{run.outcome}">'
         f"{chip(run.outcome, colour)}</span> {html.escape(run_headline(run, outcome=False))}</h4>"
     )
-    header = "<tr><th>rank</th><th>state</th><th>elapsed</th><th>lines</th><th>memory</th><th>last line</th></tr>"
+    header = "<tr><th>rank</th><th>state</th><th>elapsed</th><th>lines</th><th>memory</th><th>processes</th><th>last line</th></tr>"
     rows = "".join(rank_row(rank, state) for rank, state in sorted(run.ranks.items()))
     note = rank_memory_note(run)
     note_html = f'<div class="xla-note">{html.escape(note)}</div>' if note else ""

@@ -1,4 +1,4 @@
-"""Frameworks in a cell: Lightning trains across the ranks it runs in. Runs in ranks.
+"""Frameworks in a cell: Lightning, HF Accelerate and the HF Trainer see the ranks they run in. Runs in ranks.
 
 Lightning's XLA accelerator and strategy assume they are in the process that
 will launch the ranks: they count TPU chips on the PCI bus, spawn the ranks
@@ -17,7 +17,19 @@ processes externally (torchrun, SLURM):
 - an interrupted ``fit`` ends in KeyboardInterrupt, not in Lightning's
   ``sys.exit(1)``, so the rank lives on to serve its pool.
 
-Nothing of Lightning is imported here: ``install`` patches the modules that
+HF Accelerate (and the HF ``Trainer``, whose ranks are Accelerate's
+``PartialState``) asks torch_xla for the world size, the process index and
+the device, which the ranks answer as on a TPU host. Only the local process
+index it takes from torch_xla on a TPU alone (``xm.get_local_ordinal()``),
+and elsewhere from ``LOCAL_RANK``, which no XLA launcher sets: -1, so
+``is_local_main_process`` would be False on every rank, and the Trainer
+would log on none. In ``accelerate.state`` the question "is this a TPU" is
+answered yes wherever the ranks stand in for a TPU host's (the CPU
+simulation, the tpu launch path's CPU threads), so it takes the TPU's
+branches: the local ordinal, and the TPU's bf16 and gradient-sync settings.
+Nothing else in Accelerate, transformers or torch_xla is told so.
+
+Nothing of Lightning or Accelerate is imported here: ``install`` patches the modules that
 are already imported and hooks the import of the others, so a cell that
 never imports Lightning never pays for it. ``lightning.*`` and the standalone
 ``pytorch_lightning`` / ``lightning_fabric`` packages are patched alike;
@@ -146,6 +158,13 @@ def _patch_trainer_call(module: ModuleType) -> None:
     module._call_and_handle_interrupt = _interrupts_stay_interrupts(original)
 
 
+def _patch_accelerate_state(module: ModuleType) -> None:
+    original = getattr(module, "is_torch_xla_available", None)
+    if original is None or getattr(original, "_xla_magic", False):
+        return
+    module.is_torch_xla_available = _as_on_a_tpu_host(original)
+
+
 # --- what the patches put in place -------------------------------------------------
 
 
@@ -200,6 +219,25 @@ def _interrupts_stay_interrupts(original: Callable[..., Any]) -> Callable[..., A
     return call
 
 
+def _as_on_a_tpu_host(original: Callable[..., bool]) -> Callable[..., bool]:
+    """Accelerate's ``is_torch_xla_available``, answering ``check_is_tpu=True`` as on a TPU host.
+
+    Ranks here run on TPU chips or stand in for them (XLA CPU devices);
+    any other XLA device (a GPU) keeps Accelerate's own answer.
+    """
+
+    @functools.wraps(original)
+    def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
+        if check_is_tpu and original():
+            import torch_xla.runtime as xr
+
+            return xr.device_type() in ("TPU", "CPU")
+        return original(check_is_tpu=check_is_tpu, check_is_gpu=check_is_gpu)
+
+    is_torch_xla_available._xla_magic = True  # type: ignore[attr-defined]
+    return is_torch_xla_available
+
+
 class _PerThreadRankZeroOnly:
     """``rank_zero_only`` with a ``rank`` for each rank thread.
 
@@ -239,7 +277,10 @@ def _ranks_are_threads() -> bool:
 
 
 def _patches() -> dict[str, Callable[[ModuleType], None]]:
-    table: dict[str, Callable[[ModuleType], None]] = {_RANK_ZERO: _patch_rank_zero}
+    table: dict[str, Callable[[ModuleType], None]] = {
+        _RANK_ZERO: _patch_rank_zero,
+        "accelerate.state": _patch_accelerate_state,
+    }
     for root in _FABRIC_ROOTS:
         table[f"{root}.accelerators.xla"] = _patch_accelerator
         table[f"{root}.strategies.xla"] = _patch_strategy

@@ -84,9 +84,13 @@ def silenced_stdout() -> Iterator[None]:
 # (then below the supervisor), and ending a tree ends it all. A cgroup would
 # do the same but is rarely writable in a notebook container; this needs
 # nothing but Linux >= 3.4.
+#
+# What "started them" is differs by policy. A one-shot rank ends, after its
+# request, what that request started. A pool is a session: what its cells
+# start (DataLoader workers, a multiprocessing.Pool, a server) lives until
+# the pool's ranks end, and then the supervisor ends it.
 
 _PR_SET_CHILD_SUBREAPER = 36
-_kept: set[int] = set()  # processes a cell asked to keep (xla_magic.keep)
 
 
 def become_subreaper() -> None:
@@ -123,7 +127,7 @@ def end_trees(roots: Callable[[], list[int]]) -> None:
     (a subreaper) as its parent dies, is met in the next round.
     """
     for _ in range(20):
-        tree = _descendants(roots())
+        tree = descendants(roots())
         if not tree:
             return
         for pid in tree:
@@ -138,15 +142,16 @@ def end_trees(roots: Callable[[], list[int]]) -> None:
                 pass  # not ours (yet): a grandchild, re-parented to us as its parent ends
 
 
-def _descendants(roots: list[int]) -> list[int]:
+def descendants(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them, parents before their children."""
     seen: list[int] = []
-    todo = [pid for pid in roots if pid not in _kept]
+    todo = list(reversed(roots))
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.append(pid)
-        todo.extend(child for child in children(pid) if child not in _kept)
+        todo.extend(reversed(children(pid)))
     return seen
 
 
@@ -159,18 +164,46 @@ def _has_children() -> bool:
     return True
 
 
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_sigchld() -> Iterator[None]:
+    """No SIGCHLD handler while we end a request's processes.
+
+    torch's DataLoader installs one that raises in the rank when one of its
+    workers dies by a signal; workers we kill are not its failure. Once they
+    are reaped, the handler finds nothing to complain of. Only the main
+    thread can change a handler (a rank thread's process shares it).
+    """
+    try:
+        previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous if previous is not None else signal.SIG_DFL)
+
+
 def end_descendants() -> None:
     """End every process below this one (a supervisor, once its ranks are gone)."""
     end_trees(children)
 
 
 class ChildWatch:
-    """Ends, after each request, the processes that request started.
+    """The processes below one rank: what it keeps, and (one-shot) ending what a request started.
 
     It watches the children of the rank's own thread: in a rank that owns
-    its process that is the main thread, where orphans land too. Processes
-    a cell keeps (``xla_magic.keep``) and those there before the request
-    are left alone.
+    its process that is the main thread, where orphans land too. Those
+    there before the request (what set-up started) are left alone.
     """
 
     def __init__(self) -> None:
@@ -182,28 +215,20 @@ class ChildWatch:
 
     def end_new(self) -> None:
         if _has_children():  # one system call in the common case: a cell that started nothing
-            end_trees(self._new)
+            with _quiet_sigchld():
+                end_trees(self._new)
+
+    def end_all(self) -> None:
+        """End every process below this rank (a pool's end), before the rank's own exit can wait on any."""
+        if _has_children():
+            with _quiet_sigchld():
+                end_trees(lambda: children(tid=self._tid))
+
+    def kept(self) -> list[int]:
+        """The live processes below this rank (its children and theirs), for the status panel."""
+        if not _has_children():
+            return []
+        return [pid for pid in descendants(children(tid=self._tid)) if _alive(pid)]
 
     def _new(self) -> list[int]:
         return [pid for pid in children(tid=self._tid) if pid not in self._before]
-
-
-_serving: str | None = None  # "one-shot" or "pool", once this process runs a rank's serve loop
-
-
-def serving_as(kind: str) -> None:
-    global _serving
-    _serving = kind
-
-
-def serving() -> bool:
-    return _serving is not None
-
-
-def one_shot() -> bool:
-    return _serving == "one-shot"
-
-
-def keep(pid: int) -> None:
-    """Leave process ``pid`` (and what it starts) alive after the request that started it."""
-    _kept.add(pid)

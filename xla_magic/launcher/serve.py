@@ -31,6 +31,7 @@ import pickle
 import select
 import threading
 import time
+import traceback
 import types
 from typing import Any, Callable
 
@@ -153,12 +154,14 @@ class RankServer:
         streams: capture.RankStreams,
         rank_names: dict[str, Any],
         closing: Callable[[], None] | None = None,
+        one_shot: bool = False,
     ) -> None:
         self.rank = rank
         self.channel = channel
         self.streams = streams
         self.rank_names = rank_names
         self.closing = closing  # a one-shot rank's rendezvous after its cell, else None
+        self.one_shot = one_shot  # ends what its request started; a pool keeps it (see lifetime.py)
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **rank_names}
         self.shipped = ShippedValues()
         self.cells = CompiledCells()
@@ -168,6 +171,10 @@ class RankServer:
         self.children.note_existing()  # what set-up started is not the first request's to end
         rank_module.set_display(self.display)
         self._filename = "<xla_pool>"
+        self._serving = ""  # the cell being served, or the last one, for errors outside it
+        self._idle_failure: BaseException | None = None  # raised between requests, told with the next
+        self.seq: Any = START_SEQ  # the request being answered, or the last one
+        self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
@@ -179,17 +186,26 @@ class RankServer:
         """Answer requests until the kernel closes the socket."""
         while True:
             try:
+                if not self._wait_for_request():
+                    continue
                 request = self.channel.recv()
-            except OSError:
-                return
-            if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
-                return
-            if request.kind == protocol.SHOWN:
-                continue  # the answer to a display that an interrupt stopped waiting for
-            try:
+                if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
+                    return
+                if request.kind == protocol.SHOWN:
+                    continue  # the answer to a display that an interrupt stopped waiting for
                 self.answer(request)
             except OSError:
                 return  # the kernel is gone
+            except Exception as exc:  # a signal handler of the cell's (torch's SIGCHLD) raised between requests
+                self.failed_outside(exc)
+
+    def _wait_for_request(self) -> bool:
+        """Wait until a request is there to read.
+
+        A signal handler that raises while the rank is idle (see failed_outside)
+        then raises here, and not just after a request was read, which would lose it.
+        """
+        return bool(select.select([self.channel.sock], [], [])[0])
 
     def answer(self, request: protocol.Event) -> bool:
         """Answer one request (interrupts stop its cell only); True when it succeeded."""
@@ -203,8 +219,15 @@ class RankServer:
         kind, fields = request
         seq = fields.get("seq")
         started = time.monotonic()
+        self.seq = seq
+        self.children.note_existing()  # a one-shot request ends only what it started
+        if self._idle_failure is not None:  # told now, as this request's answer, rather than never
+            failure, self._idle_failure = self._idle_failure, None
+            self.finish(seq, self.outside_error_frame(seq, failure, "between requests"), started)
+            return False
+        if kind == protocol.CELL:
+            self._serving = fields.get("source", "")
         ok = False
-        self.children.note_existing()  # every request ends only what it started
         try:
             handler = self._handlers.get(kind)
             if handler is None:
@@ -213,20 +236,44 @@ class RankServer:
             ok = True
         except BaseException as exc:  # the user's code may raise anything at all
             reply = self.error_frame(seq, exc, with_traceback=kind == protocol.CELL)
-        self.finish(seq, reply, started)
+        try:
+            self.finish(seq, reply, started)
+        except OSError:
+            raise  # the kernel is gone
+        except Exception as exc:  # ours, or a signal handler of the cell's, raising after the cell
+            self.failed_outside(exc, started)
+            return False
         return ok
 
+    def failed_outside(self, exc: BaseException, started: float | None = None) -> None:
+        """Something raised in this rank outside the cell's code: it is the rank's error, never a silent death.
+
+        Signal handlers run wherever the rank is (torch's SIGCHLD handler
+        raises when a DataLoader worker dies). While a request waits for its
+        answer, this is the answer; once it is answered, the next request is
+        answered with it instead of running.
+        """
+        if self._answered == self.seq:
+            self._idle_failure = exc
+        else:
+            self.finish(self.seq, self.outside_error_frame(self.seq, exc, "after its cell"),
+                        started if started is not None else time.monotonic())
+
     def finish(self, seq: Any, reply: bytes | None, started: float) -> None:
-        """End what the request started, flush the rank's output, then send the reply and DONE in one write.
+        """End what a one-shot request started, flush the rank's output, then send the reply and DONE in one write.
 
         The output sockets are written before DONE is, so by the time the
         kernel reads DONE every byte of the request's output is there to read.
+        DONE carries the processes the rank keeps (a pool's: what its cells started).
         """
-        self.children.end_new()
+        if self.one_shot:
+            self.children.end_new()
         self.flush_output()
-        done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started)
+        done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
+                               processes=self.children.kept())
         with self.channel.lock:
             self.channel.sock.sendall(reply + done if reply else done)
+        self._answered = seq
 
     def display(self, what: str, data: Any) -> None:
         """Have the kernel display ``data`` (its view for ``what``) in the running cell, after the output so far.
@@ -302,6 +349,20 @@ class RankServer:
             self._results = transport.SegmentWriter(prefix, f"r{self.rank}")
         return self._results
 
+    def outside_error_frame(self, seq: Any, exc: BaseException, when: str) -> bytes:
+        """An ERROR for what raised in this rank outside the user's code, with the cell it was serving."""
+        cell = self._serving.strip().splitlines()
+        serving = f"the cell starting {cell[0][:80]!r}" if cell else "no cell yet"
+        goes_on = "" if self.one_shot else "; the pool's rank goes on serving"
+        where = f"(raised in the rank {when}, outside the cell's code, while it served {serving}{goes_on})"
+        return protocol.encode(
+            protocol.ERROR,
+            seq=seq,
+            type=type(exc).__name__,
+            message=f"{rank_module.exception_message(exc)} {where}",
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + where + "\n",
+        )
+
     def error_frame(self, seq: Any, exc: BaseException, with_traceback: bool) -> bytes:
         """An ERROR; the traceback only for a cell's error (from its first frame on)."""
         self.flush_output()
@@ -338,7 +399,6 @@ def serve(
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
         lifetime.become_subreaper()  # what a request starts stays ours to end (see lifetime.ChildWatch)
     request = _decode(first) if first is not None else None
-    lifetime.serving_as("one-shot" if request is not None else "pool")
     waiting_seq = request.fields.get("seq") if request is not None else START_SEQ
     started = time.monotonic()
     server: RankServer | None = None
@@ -348,7 +408,8 @@ def serve(
         with interrupt.Request():
             try:
                 rank_names = setup()
-                server = RankServer(rank, channel, streams, rank_names, closing if request is not None else None)
+                server = RankServer(rank, channel, streams, rank_names, closing if request is not None else None,
+                                    one_shot=request is not None)
             except BaseException as exc:  # anything from the runtime's start
                 streams.flush()
                 channel.send(protocol.ERROR, seq=waiting_seq, type=type(exc).__name__,
@@ -362,9 +423,22 @@ def serve(
                 return server._answer(request)
             server.finish(START_SEQ, None, started)
         server.serve()
+        # The pool's end: what its cells started ends now, before this process's
+        # exit could wait on a child (multiprocessing joins its own at exit).
+        server.children.end_all()
         return True
     except KeyboardInterrupt:
         return False  # arrived just as the request ended: it is answered
+    except Exception as exc:  # never a bare exit code: say what broke the loop, and where
+        if server is not None:
+            try:
+                frame = server.outside_error_frame(server.seq, exc, "in its serving loop")
+                done = protocol.encode(protocol.DONE, seq=server.seq, seconds=time.monotonic() - started)
+                with channel.lock:
+                    channel.sock.sendall(frame + done)
+            except Exception:
+                pass  # the kernel is gone; the exit code is all that is left to say it
+        return False
     finally:
         if server is not None:
             server.shipped.close()
