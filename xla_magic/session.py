@@ -69,6 +69,8 @@ class Session:
         self.listeners: list[Callable[[RunRecord], None]] = []
         self.pool: Ranks | None = None  # the kept ranks, while a pool runs (or is broken)
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
+        self.world: dict[str, Any] | None = None  # an engine's session on one of several hosts: its part of the world
+        self.hosts: Any = None  # the kernel's pool across several hosts (xla_magic.hosts.pool.HostsPool)
 
     # -- the launcher ------------------------------------------------------
 
@@ -220,7 +222,7 @@ class Session:
             print(f"the pool is already running: {running.describe()}")
             return running
         placement = plan(backend or "auto", devices, "%xla_pool start", spmd)
-        pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir)
+        pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir, world=self.world)
         record = self._record(self.next_run_id(), "%xla_pool start", pool)
         start = Request(pool, record, 0, None, workdir=self.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=self._notify, live_lines=live_lines)

@@ -137,7 +137,8 @@ class SimulatedHosts:
         """The prefix that runs a command on the host with ``address``."""
         for host in self.hosts():
             if host["address"] == address:
-                return ["nsenter", "-t", str(host["pid"]), "--net", "--uts", "--mount", "--"]
+                # --wd=.: keep the caller's working directory (entering a mount namespace would reset it to /).
+                return ["nsenter", "-t", str(host["pid"]), "--net", "--uts", "--mount", "--wd=.", "--"]
         raise KeyError(f"no simulated host has the address {address}; up: {', '.join(self.addresses()) or 'none'}")
 
     def processes(self, address: str) -> list[int]:
