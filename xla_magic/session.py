@@ -218,14 +218,14 @@ class Session:
         """``%xla_pool start --hosts``: one engine per host, each running its host's launcher and ranks."""
         from xla_magic.hosts.pool import HostsPool
 
-        if self.current_hosts() is not None or self.current_pool() is not None:
-            raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
         if spmd is not None and (backend or "auto") != "tpu":
             raise UsageError("--spmd on several hosts needs TPUs: in the CPU simulation XLA's CPU client is one "
                              "process and cannot span hosts. Leave --spmd out (one rank per device), or run on TPU "
                              "hosts with --backend tpu")
         if spmd is not None:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
+        if self.current_hosts() is not None or self.current_pool() is not None:
+            raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
         pool = HostsPool(hosts, devices or 8, backend or "auto", template, self.workdir)
         pool.start()
         self.hosts = pool

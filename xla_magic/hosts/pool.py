@@ -85,10 +85,11 @@ class HostsPool:
             profile_dir=profile, cluster_id=uuid.uuid4().hex[:8], n=len(self.hosts), controller_ip=self.address,
             controller_launcher_class=KernelControllerLauncher, engine_launcher_class=HostEngineSetLauncher,
             controller_args=["--usethreads", f"--HeartMonitor.period={HEARTBEAT_MS}"],
-            engine_args=[f"--IPEngine.max_heartbeat_misses={MISSES}"], shutdown_atexit=True, log_level=40,
+            shutdown_atexit=True, log_level=40,
         )
         self.cluster.start_controller_sync()
-        self.cluster.start_engines_sync(hosts=self.hosts, template=self.template, python=self.python)
+        self.cluster.start_engines_sync(hosts=self.hosts, template=self.template, python=self.python,
+                                        engine_args=[f"--IPEngine.max_heartbeat_misses={MISSES}"])
         self.client = self.cluster.connect_client_sync()
         _private(profile)
         self._wait_for_engines()
@@ -150,7 +151,7 @@ class HostsPool:
                 try:
                     if client.ids:
                         client[:].apply_async(on_host.stop).wait(30)
-                        client.shutdown(targets="all", block=False)
+                        client.shutdown(targets="all", block=True)  # each nanny tells a live controller
                 finally:
                     client.close()
         finally:
@@ -205,34 +206,34 @@ class HostsPool:
         return (f"{state}: {len(self.hosts)} hosts x {self.devices} ranks on the {self.backend} backend "
                 f"({self.world_size} ranks in all), controller on {self.address}; {self.cells} cell(s) run")
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self, patience: float = 2.0) -> list[dict[str, Any]]:
         """Each host: its address, its engine, launcher and ranks (what the engine says, or why it cannot)."""
         rows: list[dict[str, Any]] = []
         for index, host in enumerate(self.hosts):
-            row: dict[str, Any] = {"host": host, "index": index, "label": f"h{index}",
+            row: dict[str, Any] = {"host": host, "index": index, "engine": self.engines[index],
                                    "ranks": f"r{index * self.devices}-r{(index + 1) * self.devices - 1}"}
             try:
-                row.update(self.client[self.engines[index]].apply_async(on_host.status).get(10))
-                row["engine"] = self.engines[index]
-            except Exception as exc:  # a dead or busy engine: say so, the panel must not fail
+                row.update(self.client[self.engines[index]].apply_async(on_host.status).get(patience))
+            except Exception as exc:  # a dead engine, or one busy with a cell: say so, the panel must not fail
                 row["error"] = f"{type(exc).__name__}: {exc}"
             rows.append(row)
         return rows
 
-    def status_text(self) -> str:
-        lines = [f"hosts: {self.describe()}"]
+    def host_lines(self) -> list[tuple[str, str]]:
+        """(name, facts) per host, for %xla_status."""
+        lines = []
         for row in self.status():
+            name = f"Host h{row['index']} {row['host']}"
             if "error" in row:
-                lines.append(f"  h{row['index']} {row['host']}: engine does not answer ({row['error']})")
+                lines.append((name, f"engine {row['engine']} (pid {self.engine_pids[row['index']]}) does not "
+                                    f"answer now (busy with a cell, or gone): {row['error']}"))
                 continue
             launcher = row.get("launcher") or {}
             pool = row.get("pool") or {}
-            lines.append(
-                f"  h{row['index']} {row['host']} ({row['hostname']}): engine {row['engine']} pid {row['pid']}; "
-                f"launcher pid {launcher.get('pid', '-')}{'' if launcher.get('alive', True) else ' (dead)'}; "
-                f"ranks {row['ranks']}: {pool.get('describe', 'none')}"
-            )
-        return "\n".join(lines)
+            alive = "" if launcher.get("alive", True) else " (dead)"
+            lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']}; launcher pid "
+                                f"{launcher.get('pid', '-')}{alive}; ranks {row['ranks']}: {pool.get('describe', 'none')}"))
+        return lines
 
 
 def _kernel_python() -> str:
