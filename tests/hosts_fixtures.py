@@ -65,3 +65,18 @@ def _cmdline(pid: int) -> str:
             return f"{pid}: " + cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:160]
     except OSError:
         return f"{pid}: (gone)"
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (the controller leads its own, with its heart monitor)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members

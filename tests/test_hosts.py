@@ -13,7 +13,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST, make_hosts, start_line, wait_until_empty
+from tests.hosts_fixtures import RANKS_PER_HOST, group_members, make_hosts, start_line, wait_until_empty
 from xla_magic.display import RankError, RunInterrupted
 
 WORLD = 2 * RANKS_PER_HOST
@@ -153,6 +153,17 @@ def test_spmd_on_several_simulated_hosts_is_refused_with_the_reason(ip, pool, ho
         ip.run_line_magic("xla_pool", f"start --hosts {','.join(hosts.addresses())} --spmd --backend cpu")
 
 
+def test_the_controller_listens_only_on_the_hosts_side_and_its_files_are_private(ip, pool, hosts):
+    import psutil
+
+    controller = psutil.Process(pool.cluster.controller.process.pid)
+    listening = [c.laddr for c in controller.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening and {address.ip for address in listening} == {hosts.kernel_address}
+    security = os.path.join(pool.cluster.profile_dir, "security")
+    files = os.listdir(security)
+    assert files and all(os.stat(os.path.join(security, f)).st_mode & 0o777 == 0o600 for f in files)
+
+
 # --- faults -------------------------------------------------------------------------
 
 
@@ -221,7 +232,10 @@ def wait_until_empty_of(hosts, index: int, within: float = 60.0) -> list[int]:
 
 def test_nothing_is_left_on_any_host_after_stop(ip, pool, hosts):
     assert any(hosts.processes(address) for address in hosts.addresses())  # engines, launchers, ranks
+    controller = pool.cluster.controller.process.pid
     with capture_output() as shown:
         ip.run_line_magic("xla_pool", "stop")
     assert "pool stopped" in shown.stdout
     assert wait_until_empty(hosts) == {}
+    assert group_members(controller) == []
+

@@ -2,7 +2,7 @@
 
 Runs on the kernel's host, as a child of kernel P. ipyparallel's own
 controller, which ends as soon as the kernel does, however it ends
-(SIGKILL included): the engines on every host then miss its heartbeats and
+(SIGKILL included), with its heart monitor process: the engines on every host then miss its heartbeats and
 end, and with them every host's launcher and ranks.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import sys
 import threading
 
@@ -23,6 +24,10 @@ def end_with(pid: int) -> None:
 
     def watch() -> None:
         select.select([pidfd], [], [])
+        # The controller forks its heart monitor (which would go on pinging the engines, and so keep
+        # them alive): end the whole process group, which the launcher made ours alone.
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(0)
 
     threading.Thread(target=watch, name="end-with-kernel", daemon=True).start()
