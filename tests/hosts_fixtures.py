@@ -80,3 +80,20 @@ def group_members(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 members.append(int(entry))
     return members
+
+
+def controllers_on(address: str) -> list[int]:
+    """Live controller processes (and their forked heart monitors) listening for hosts on ``address``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    words = cmdline.read().split(b"\0")
+                with open(f"/proc/{entry}/stat") as stat:
+                    state = stat.read().rpartition(")")[2].split()[0]
+            except OSError:
+                continue
+            if b"xla_magic.hosts.controller" in words and f"--ip={address}".encode() in words and state != "Z":
+                found.append(int(entry))
+    return found

@@ -13,7 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST, group_members, make_hosts, start_line, wait_until_empty
+from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, make_hosts, start_line,
+                                  wait_until_empty)
 from xla_magic.display import RankError, RunInterrupted
 
 WORLD = 2 * RANKS_PER_HOST
@@ -239,3 +240,21 @@ def test_nothing_is_left_on_any_host_after_stop(ip, pool, hosts):
     assert wait_until_empty(hosts) == {}
     assert group_members(controller) == []
 
+
+
+def test_a_launch_command_that_fails_says_which_host_and_leaves_nothing(ip, hosts):
+    with pytest.raises(UsageError, match=f"the engine of {hosts.address(0)} did not start"):
+        ip.run_line_magic("xla_pool", f"start --hosts {','.join(hosts.addresses())} --backend cpu --launch 'false'")
+    assert ip._xla_magic_session.current_hosts() is None
+    assert controllers_on(hosts.kernel_address) == []
+
+
+def test_bad_host_options_are_usage_errors(ip):
+    with pytest.raises(UsageError, match=r"\{host\} and \{index\} only"):
+        ip.run_line_magic("xla_pool", "start --hosts 10.213.250.2 --launch 'ssh {user}@{host}'")
+    with pytest.raises(UsageError, match="names a host twice"):
+        ip.run_line_magic("xla_pool", "start --hosts 10.213.250.2,10.213.250.2")
+    with pytest.raises(UsageError, match="give the hosts too"):
+        ip.run_line_magic("xla_pool", "start --launch 'ssh {host}'")
+    with pytest.raises(UsageError, match="go with %xla_pool start and restart only"):
+        ip.run_line_magic("xla_pool", "stop --hosts 10.213.250.2")

@@ -200,6 +200,14 @@ class XlaMagics(Magics):
         SPMD process instead (see ``%%xla_spawn --spmd``): its namespace,
         sharded model and optimiser and compiled graphs stay between cells,
         and pull gives its one value. ``restart`` keeps an SPMD pool SPMD.
+
+        ``%xla_pool start --hosts A,B [--devices N] [--launch TEMPLATE]``
+        spans several hosts as one world: an ipyparallel engine on each host
+        (started by the launch template, ``ssh {host}`` by default) runs
+        that host's launcher and N ranks; cells then see ``rank`` (global),
+        ``world_size`` (every host), ``local_rank`` and ``host``, output is
+        tagged ``[hH rN]``, and the value lists every global rank's result.
+        See the README's "Several hosts".
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)

@@ -245,6 +245,8 @@ class Session:
         spmd: sharding.SpmdOptions | None = None,
     ) -> Ranks:
         """``%xla_pool start``: a pool of ready ranks (or, with ``spmd``, an SPMD process), or the one already running."""
+        if self.current_hosts() is not None:
+            raise UsageError("a pool across hosts is running: %xla_pool stop it first, then start one on this host")
         running = self.current_pool()
         if running is not None:
             running.check_usable()
@@ -320,6 +322,9 @@ class Session:
     def pull(self, name: str, rank: int | None) -> Any:
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
         if self.current_hosts() is not None:
+            if rank is not None and not 0 <= rank < self.hosts.world_size:
+                raise UsageError(f"--rank must be between 0 and {self.hosts.world_size - 1} (the pool across hosts "
+                                 f"has {self.hosts.world_size} ranks)")
             values = self.hosts.pull(name)
             return values if rank is None else values[rank]
         pool = self._usable_pool()

@@ -11,6 +11,7 @@ and are followed by :class:`~xla_magic.hosts.request.HostsRequest`.
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import time
 import uuid
@@ -156,7 +157,11 @@ class HostsPool:
                     client.close()
         finally:
             if cluster is not None:
-                cluster.stop_cluster_sync()
+                controller = getattr(cluster.controller, "pid", None)
+                try:
+                    cluster.stop_cluster_sync()
+                finally:
+                    _end_group(controller)
 
     # -- requests ---------------------------------------------------------------
 
@@ -234,6 +239,15 @@ class HostsPool:
             lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']}; launcher pid "
                                 f"{launcher.get('pid', '-')}{alive}; ranks {row['ranks']}: {pool.get('describe', 'none')}"))
         return lines
+
+
+def _end_group(leader: int | None) -> None:
+    """SIGKILL what is left of the controller's process group (its forked heart monitor)."""
+    if leader and leader > 0:
+        try:
+            os.killpg(leader, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kernel_python() -> str:
