@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import sys
 from typing import Any
@@ -54,15 +55,17 @@ def run_cell(source: str, names: bytes, timeout: float | None) -> dict[str, Any]
     import cloudpickle
 
     session = _require()
-    values = cloudpickle.loads(names)
-    return _outcome(lambda: session.run_cell(source, None, "auto", timeout, False, values, {}))
+    return _outcome(lambda: session.run_cell(source, None, "auto", timeout, False, cloudpickle.loads(names), {}))
 
 
 def push(names: bytes) -> dict[str, Any]:
     import cloudpickle
 
-    values = cloudpickle.loads(names)
-    return _outcome(lambda: _require().push(list(values), values))
+    def push_all() -> None:
+        values = cloudpickle.loads(names)
+        _require().push(list(values), values)
+
+    return _outcome(push_all)
 
 
 def pull(name: str) -> dict[str, Any]:
@@ -97,8 +100,22 @@ def _require() -> Session:
     return _session
 
 
+_running = False  # whether a call is in progress: only then does SIGINT (the kernel's interrupt) stop it
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    # A SIGINT meant for a call that has just ended must not hit what the engine does next.
+    if _running:
+        raise KeyboardInterrupt
+
+
 def _outcome(call: Any) -> dict[str, Any]:
-    """Run ``call``; what came of it, as plain data: ok (and the value), failed, interrupted or refused."""
+    """Run ``call``; what came of it, as plain data: ok (and the value), failed, interrupted or refused.
+
+    ipykernel restores its own SIGINT handler (which ignores it) once the call returns."""
+    global _running
+    _running = True
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         value = call()
     except RankError as exc:
@@ -113,6 +130,7 @@ def _outcome(call: Any) -> dict[str, Any]:
     except UsageError as exc:
         return {"outcome": "refused", "message": str(exc), "broken": _broken()}
     finally:
+        _running = False
         sys.stdout.flush()
         sys.stderr.flush()
     return {"outcome": "ok", "value": value}

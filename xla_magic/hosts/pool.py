@@ -117,7 +117,8 @@ class HostsPool:
         launchers = self.cluster.engines and next(iter(self.cluster.engines.values())).launchers
         for index, host in enumerate(self.hosts):
             engine = (launchers or {}).get(str(index))
-            if engine is not None and engine.state == "after":
+            process = getattr(engine, "_popen_process", None)  # set by HostEngineLauncher.start
+            if process is not None and process.poll() is not None:
                 return host
         return None
 

@@ -103,7 +103,8 @@ class HostsRequest:
         running = [self.pool.engines[index] for index in range(len(self.calls)) if index not in self.outcomes]
         if running and self.pool.client is not None:
             try:
-                self.pool.client.send_signal(signal.SIGINT, targets=running, block=False)
+                # Blocking: each nanny answers once its signal is sent, so none arrives in a later request.
+                self.pool.client.send_signal(signal.SIGINT, targets=running, block=True)
             except Exception as exc:  # noqa: BLE001 - a lost controller must not hide the failure
                 self.pool.mark_broken(f"could not interrupt the hosts ({type(exc).__name__}: {exc})")
 
