@@ -114,22 +114,29 @@ class HostsPool:
 
     def _engines_gone(self) -> str | None:
         """A host whose launch command (its engine) already exited."""
-        launchers = self.cluster.engines and next(iter(self.cluster.engines.values())).launchers
+        engine_set = next(iter(self.cluster.engines.values()), None)
+        if engine_set is None:
+            return None
+        stopped = engine_set.stop_data.get("engines", {})  # ipyparallel's notice, when its loop ran
         for index, host in enumerate(self.hosts):
-            engine = (launchers or {}).get(str(index))
-            process = getattr(engine, "_popen_process", None)  # set by HostEngineLauncher.start
-            if process is not None and process.poll() is not None:
+            engine = engine_set.launchers.get(str(index))
+            if str(index) in stopped or (engine is not None and _exited(engine)):
                 return host
         return None
 
     def _engine_log(self, host: str) -> str:
+        """The end of what a host's launch command printed (ipyparallel keeps it once it saw the exit)."""
         index = self.hosts.index(host)
-        path = os.path.join(self.cluster.profile_dir, "log", f"engine-{index}-{host}.log")
-        try:
-            with open(path, encoding="utf-8", errors="replace") as log:
-                tail = "".join(log.readlines()[-15:])
-        except OSError:
-            return ""
+        engine_set = next(iter(self.cluster.engines.values()))
+        text = engine_set.outputs.get(str(index))
+        if text is None:
+            path = os.path.join(self.cluster.profile_dir, "log", f"engine-{index}-{host}.log")
+            try:
+                with open(path, encoding="utf-8", errors="replace") as log:
+                    text = log.read()
+            except OSError:
+                text = ""
+        tail = "".join(text.splitlines(keepends=True)[-15:])
         return f"; its log ends:\n{tail}" if tail.strip() else ""
 
     def _start_ranks(self) -> None:
@@ -240,6 +247,19 @@ class HostsPool:
             lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']}; launcher pid "
                                 f"{launcher.get('pid', '-')}{alive}; ranks {row['ranks']}: {pool.get('describe', 'none')}"))
         return lines
+
+
+def _exited(engine: Any) -> bool:
+    """Whether an engine's launch command has exited (ipyparallel's own notice needs its event loop running)."""
+    import psutil
+
+    popen = getattr(engine, "_popen_process", None)  # set by HostEngineLauncher.start
+    if popen is not None and popen.poll() is not None:
+        return True
+    try:
+        return engine.process is not None and engine.process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _end_group(leader: int | None) -> None:
