@@ -150,6 +150,19 @@ def test_status_shows_each_host_with_its_engine_launcher_and_ranks(ip, pool, hos
         assert f"r{index * 2}-r{index * 2 + 1}: ready" in line
 
 
+
+def _engine_holds_xla() -> bool:
+    import sys
+
+    return "torch_xla" in sys.modules or "_XLAC" in sys.modules
+
+
+def test_the_kernel_and_every_engine_stay_xla_free(ip, pool):
+    cell(ip, "import torch_xla\nrank")  # the ranks do use XLA
+    assert "torch_xla" not in sys.modules
+    session = ip._xla_magic_session
+    assert session.hosts.client[session.hosts.engines].apply_sync(_engine_holds_xla) == [False, False]
+
 def test_spmd_on_several_simulated_hosts_is_refused_with_the_reason(ip, pool, hosts):
     with pytest.raises(UsageError, match="XLA's CPU client is one process"):
         ip.run_line_magic("xla_pool", f"start --hosts {','.join(hosts.addresses())} --spmd --backend cpu")
@@ -226,6 +239,32 @@ def test_a_killed_engine_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, 
     assert "pool ready" in shown.stdout
     assert cell(ip, "rank")[0] == list(range(WORLD))
 
+
+
+def test_a_dead_launcher_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, pool, hosts):
+    session = ip._xla_magic_session
+    launcher = next(row for row in session.hosts.status() if row["index"] == 0)["launcher"]["pid"]
+    source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
+
+    def kill_when_running() -> None:
+        stdout = sys.stdout
+        deadline = time.monotonic() + 120
+        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(launcher, signal.SIGKILL)  # its ranks die with it
+
+    with capture_output():
+        threading.Thread(target=kill_when_running, daemon=True).start()
+        with pytest.raises(RankError) as raised:
+            ip.run_cell_magic("xla_spawn", "", source)
+    summary = raised.value.summary
+    assert f"host h0 ({hosts.address(0)})" in summary and "launcher" in summary and "%xla_pool restart" in summary
+    with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
+        cell(ip, "rank")
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", "restart")
+    assert "pool ready" in shown.stdout
+    assert cell(ip, "rank")[0] == list(range(WORLD))
 
 def wait_until_empty_of(hosts, index: int, within: float = 60.0) -> list[int]:
     deadline = time.monotonic() + within
