@@ -75,7 +75,8 @@ def pull(name: str) -> dict[str, Any]:
 def status() -> dict[str, Any]:
     """The host's engine, launcher and ranks, for %xla_status."""
     session = _session
-    facts: dict[str, Any] = {**identify(), "launcher": None, "pool": None}
+    facts: dict[str, Any] = {**identify(), "launcher": None, "pool": None,
+                             "xla_free": "torch_xla" not in sys.modules and "_XLAC" not in sys.modules}
     if session is not None:
         if session.launcher is not None:
             facts["launcher"] = {"pid": session.launcher.pid, "alive": session.launcher.alive()}
