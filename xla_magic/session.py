@@ -226,7 +226,7 @@ class Session:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
         if self.current_hosts() is not None or self.current_pool() is not None:
             raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
-        pool = HostsPool(hosts, devices or 8, backend or "auto", template, self.workdir)
+        pool = HostsPool(hosts, devices, backend or "auto", template, self.workdir)
         pool.start()
         self.hosts = pool
         print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")

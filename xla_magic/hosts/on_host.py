@@ -40,6 +40,14 @@ def free_port(address: str) -> int:
         return probe.getsockname()[1]
 
 
+def ranks_here(devices: int | None, backend: str) -> dict[str, Any]:
+    """How many ranks this host would run for ``--devices`` / ``--backend`` (its own devices decide)."""
+    from xla_magic.session import plan
+
+    return _outcome(lambda: {"ranks": plan(backend, devices, "%xla_pool start --hosts").ranks,
+                             "backend": plan(backend, devices, "%xla_pool start --hosts").backend})
+
+
 def start(world: dict[str, Any], devices: int, backend: str) -> dict[str, Any]:
     """Start this host's pool ranks as the ``world`` part the kernel says."""
     global _session

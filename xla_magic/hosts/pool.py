@@ -35,10 +35,11 @@ RESTART = "%xla_pool restart (or %xla_pool stop, then %xla_pool start --hosts ..
 class HostsPool:
     """The kernel's handle on a pool across hosts: the cluster, its engines by host, the world."""
 
-    def __init__(self, hosts: list[str], devices: int, backend: str, template: str | None, workdir: PrivateDir,
-                 python: str | None = None) -> None:
+    def __init__(self, hosts: list[str], devices: int | None, backend: str, template: str | None,
+                 workdir: PrivateDir, python: str | None = None) -> None:
         self.hosts = hosts
-        self.devices = devices  # ranks per host
+        self.requested_devices = devices
+        self.devices = devices or 0  # ranks per host: what the hosts say, once the engines are up
         self.backend = backend
         self.template = template or DEFAULT_TEMPLATE
         self.python = python or os.environ.get("XLA_MAGIC_HOST_PYTHON") or _kernel_python()
@@ -140,6 +141,17 @@ class HostsPool:
         return f"; its log ends:\n{tail}" if tail.strip() else ""
 
     def _start_ranks(self) -> None:
+        # Each host's own devices decide its ranks (a TPU host: its chips); one world needs the same on each.
+        calls = [self.client[engine].apply_async(on_host.ranks_here, self.requested_devices, self.backend)
+                 for engine in self.engines]
+        here = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False).wait()
+        counts = {index: facts["ranks"] for index, facts in enumerate(here)}
+        if len(set(counts.values())) > 1:
+            listing = ", ".join(f"h{index} {self.hosts[index]}: {count}" for index, count in counts.items())
+            raise UsageError(f"the hosts would run different numbers of ranks ({listing}); give --devices "
+                             f"a count every host has")
+        self.devices = counts[0]
+        self.backend = here[0]["backend"]
         port = self.client[self.engines[0]].apply_sync(on_host.free_port, self.hosts[0])
         worlds = [
             {"host": index, "hosts": len(self.hosts), "rank_offset": index * self.devices,

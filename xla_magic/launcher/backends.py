@@ -65,7 +65,7 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
         elif job["backend"] == "cpu":
             run_cpu(first, job["run_id"], ranks, supervisor, job["store"], job.get("world"))
         else:
-            run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"])
+            run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"], world=job.get("world"))
     except BaseException:
         code = 1
         try:
@@ -245,7 +245,10 @@ def run_tpu(
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     cpu_threads: bool,
+    world: dict[str, Any] | None = None,
 ) -> None:
+    """torch_xla's spawn. With ``world`` (one host of a multi-host slice) nothing of the slice's shape is set
+    here: torch_xla reads it from the TPU VM's metadata (or GKE's TPU_WORKER_* variables) itself."""
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     _rank_environment()
@@ -264,7 +267,7 @@ def run_tpu(
     relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
     relay.start()
     try:
-        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id), nprocs=nprocs, start_method="fork")
+        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id, world), nprocs=nprocs, start_method="fork")
     except BaseException:
         error = traceback.format_exc()
     else:
@@ -280,8 +283,11 @@ def _tpu_rank(
     supervisor: socket.socket,
     first: bytes | None,
     run_id: int,
+    world: dict[str, Any] | None = None,
 ) -> None:
-    """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel)."""
+    """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel).
+
+    ``index`` is the rank on this host; on several hosts the cell's ``rank`` is the slice's global ordinal."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -293,11 +299,15 @@ def _tpu_rank(
     def setup() -> dict[str, Any]:
         device = torch_xla.device()
         world_size = xr.world_size()
+        rank = xr.global_ordinal() if world else index
         strategy = strategy_module.RankStrategy(
-            index, world_size, device, simulated=False, local_rank=xr.local_ordinal()
+            rank, world_size, device, simulated=False, local_rank=xr.local_ordinal()
         )
         strategy_module.activate(strategy)
-        return {"rank": index, "world_size": world_size, "device": device, "strategy": strategy}
+        names = {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
+        if world:
+            names.update(local_rank=index, host=world["host"])
+        return names
 
     serve.serve(index, ranks[index], setup, first, strategy_module.closing_on_xla(run_id))
     lifetime.flush_c_stdio()
