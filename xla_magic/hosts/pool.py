@@ -256,7 +256,8 @@ class HostsPool:
             launcher = row.get("launcher") or {}
             pool = row.get("pool") or {}
             alive = "" if launcher.get("alive", True) else " (dead)"
-            lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']}; launcher pid "
+            xla = "XLA-free" if row.get("xla_free") else "holds XLA"
+            lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']} ({xla}); launcher pid "
                                 f"{launcher.get('pid', '-')}{alive}; ranks {row['ranks']}: {pool.get('describe', 'none')}"))
         return lines
 
