@@ -169,6 +169,17 @@ class XlaMagics(Magics):
         help="start/restart: tpu, cpu or auto (default: tpu where a TPU is found)",
     )
     @argument("-r", "--rank", type=int, default=None, help="pull: take the value of this rank only")
+    @argument(
+        "--hosts", metavar="HOSTS",
+        help="start: a pool across several hosts, one ipyparallel engine each: addresses separated by commas "
+        "(the first holds the collectives' store), or 'slice' for this TPU slice's workers; --devices is per host",
+    )
+    @argument(
+        "--launch", metavar="TEMPLATE",
+        help="with --hosts: the command that runs the engine on a host, with {host} and {index} "
+        "(default: 'ssh -T -o BatchMode=yes {host}'; e.g. 'ip netns exec ns{index}', "
+        "'kubectl exec -i worker-{index} --')",
+    )
     @spmd_arguments
     @line_magic
     def xla_pool(self, line: str) -> None:
@@ -189,12 +200,32 @@ class XlaMagics(Magics):
         SPMD process instead (see ``%%xla_spawn --spmd``): its namespace,
         sharded model and optimiser and compiled graphs stay between cells,
         and pull gives its one value. ``restart`` keeps an SPMD pool SPMD.
+
+        ``%xla_pool start --hosts A,B [--devices N] [--launch TEMPLATE]``
+        spans several hosts as one world: an ipyparallel engine on each host
+        (started by the launch template, ``ssh {host}`` by default) runs
+        that host's launcher and N ranks; cells then see ``rank`` (global),
+        ``world_size`` (every host), ``local_rank`` and ``host``, output is
+        tagged ``[hH rN]``, and the value lists every global rank's result.
+        See the README's "Several hosts".
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)
         spmd = spmd_options(args)
         live = in_notebook(self.shell)
-        if args.action == "start":
+        if args.hosts is not None and args.action in ("start", "restart"):
+            from xla_magic.hosts.discovery import parse_hosts
+
+            if args.action == "restart":
+                self.session.stop_pool()
+            launch = _unquoted(args.launch) if args.launch is not None else None
+            self.session.start_hosts(parse_hosts(args.hosts), launch, args.devices, args.backend, spmd)
+        elif args.action == "restart" and self.session.current_hosts() is not None:
+            old = self.session.current_hosts()
+            self.session.stop_pool()
+            self.session.start_hosts(old.hosts, old.template, args.devices or old.devices,
+                                     args.backend or old.backend, spmd)
+        elif args.action == "start":
             self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
         elif args.action == "restart":
             self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
@@ -216,6 +247,13 @@ def _check_name(name: str, what: str) -> None:
         raise UsageError(f"{what}, not the keyword {name!r}, which no code could use as a name; pick another, like {name}_")
 
 
+def _unquoted(text: str) -> str:
+    """A value given in quotes, without them (IPython's argument split keeps them on Linux)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
 def _check_pool_arguments(args: argparse.Namespace) -> None:
     if args.action in ("push", "pull"):
         if not args.names:
@@ -226,6 +264,11 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
             raise UsageError("%xla_pool pull takes one name at a time, like %xla_pool pull loss --rank 0")
     elif args.names:
         raise UsageError(f"%xla_pool {args.action} takes no names (only push and pull do)")
+    if (args.hosts is not None or args.launch is not None) and args.action not in ("start", "restart"):
+        raise UsageError("--hosts and --launch go with %xla_pool start and restart only")
+    if args.launch is not None and args.hosts is None and args.action == "start":
+        raise UsageError("--launch says how to start an engine on each host: give the hosts too, like "
+                         "%xla_pool start --hosts 10.0.0.2,10.0.0.3 --launch 'ssh {host}'")
     if args.rank is not None and args.action != "pull":
         raise UsageError("--rank goes with %xla_pool pull only")
     if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):

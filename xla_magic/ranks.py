@@ -100,8 +100,10 @@ class Conn:
 class Ranks:
     """The kernel's handle on one launcher job's ranks."""
 
-    def __init__(self, placement: probe.Placement, keep: bool, requested_backend: str, workdir: PrivateDir) -> None:
+    def __init__(self, placement: probe.Placement, keep: bool, requested_backend: str, workdir: PrivateDir,
+                 world: dict[str, Any] | None = None) -> None:
         self.placement = placement
+        self.world = world  # one host's ranks of several (see xla_magic.hosts): host, rank_offset, world_size...
         self.backend = placement.backend
         self.devices = placement.devices
         self.size = placement.ranks  # how many ranks answer each request
@@ -150,6 +152,7 @@ class Ranks:
                 "cpu_threads": self.cpu_threads,
                 "first": first,
                 "spmd": self._spmd_job(),
+                "world": self.world,
             }
             self.supervisor_pid = launcher.submit(job, [sock.fileno() for sock in theirs])
         except BaseException:
@@ -189,7 +192,9 @@ class Ranks:
     # -- naming ----------------------------------------------------------
 
     def label(self, rank: int) -> str:
-        """The tag of a rank's output and errors: ``rank N``, or ``spmd``."""
+        """The tag of a rank's output and errors: ``rank N``, ``spmd``, or on several hosts ``hH rN`` (N global)."""
+        if self.world:
+            return f"h{self.world['host']} r{self.world['rank_offset'] + rank}"
         return "spmd" if self.one_value else f"rank {rank}"
 
     def name(self, rank: int) -> str:

@@ -69,6 +69,8 @@ class Session:
         self.listeners: list[Callable[[RunRecord], None]] = []
         self.pool: Ranks | None = None  # the kept ranks, while a pool runs (or is broken)
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
+        self.world: dict[str, Any] | None = None  # an engine's session on one of several hosts: its part of the world
+        self.hosts: Any = None  # the kernel's pool across several hosts (xla_magic.hosts.pool.HostsPool)
 
     # -- the launcher ------------------------------------------------------
 
@@ -113,6 +115,12 @@ class Session:
 
         Its value: the list by rank, or (SPMD) the one value.
         """
+        hosts = self.current_hosts()
+        if hosts is not None and not fresh:
+            if spmd is not None:
+                raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
+            self.one_value = False
+            return hosts.run_cell(cell, user_ns, hidden, timeout)
         pool = self.current_pool()
         if pool is not None and not fresh:
             pool.check_fits(devices, backend, spmd)
@@ -200,6 +208,30 @@ class Session:
 
     # -- the pool ------------------------------------------------------------
 
+    def current_hosts(self) -> Any:
+        """The pool across several hosts, unless there is none or it was stopped."""
+        hosts = self.hosts
+        return None if hosts is None or hosts.state == "stopped" else hosts
+
+    def start_hosts(self, hosts: list[str], template: str | None, devices: int | None, backend: str | None,
+                    spmd: sharding.SpmdOptions | None = None) -> Any:
+        """``%xla_pool start --hosts``: one engine per host, each running its host's launcher and ranks."""
+        from xla_magic.hosts.pool import HostsPool
+
+        if spmd is not None and (backend or "auto") != "tpu":
+            raise UsageError("--spmd on several hosts needs TPUs: in the CPU simulation XLA's CPU client is one "
+                             "process and cannot span hosts. Leave --spmd out (one rank per device), or run on TPU "
+                             "hosts with --backend tpu")
+        if spmd is not None:
+            raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
+        if self.current_hosts() is not None or self.current_pool() is not None:
+            raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
+        pool = HostsPool(hosts, devices, backend or "auto", template, self.workdir)
+        pool.start()
+        self.hosts = pool
+        print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
+        return pool
+
     def current_pool(self) -> Ranks | None:
         """The session's pool, unless there is none or it was stopped."""
         pool = self.pool
@@ -213,6 +245,8 @@ class Session:
         spmd: sharding.SpmdOptions | None = None,
     ) -> Ranks:
         """``%xla_pool start``: a pool of ready ranks (or, with ``spmd``, an SPMD process), or the one already running."""
+        if self.current_hosts() is not None:
+            raise UsageError("a pool across hosts is running: %xla_pool stop it first, then start one on this host")
         running = self.current_pool()
         if running is not None:
             running.check_usable()
@@ -220,7 +254,7 @@ class Session:
             print(f"the pool is already running: {running.describe()}")
             return running
         placement = plan(backend or "auto", devices, "%xla_pool start", spmd)
-        pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir)
+        pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir, world=self.world)
         record = self._record(self.next_run_id(), "%xla_pool start", pool)
         start = Request(pool, record, 0, None, workdir=self.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=self._notify, live_lines=live_lines)
@@ -241,6 +275,10 @@ class Session:
 
     def stop_pool(self) -> bool:
         """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
+        hosts, self.hosts = self.current_hosts(), None
+        if hosts is not None:
+            hosts.stop()
+            return True
         pool, self.pool = self.current_pool(), None
         if pool is None:
             return False
@@ -267,6 +305,8 @@ class Session:
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""
+        if self.current_hosts() is not None:
+            return self.hosts.push(names, user_ns)
         self._usable_pool()
         missing = [name for name in names if name not in user_ns]
         if missing:
@@ -281,6 +321,12 @@ class Session:
 
     def pull(self, name: str, rank: int | None) -> Any:
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
+        if self.current_hosts() is not None:
+            if rank is not None and not 0 <= rank < self.hosts.world_size:
+                raise UsageError(f"--rank must be between 0 and {self.hosts.world_size - 1} (the pool across hosts "
+                                 f"has {self.hosts.world_size} ranks)")
+            values = self.hosts.pull(name)
+            return values if rank is None else values[rank]
         pool = self._usable_pool()
         if rank is not None and pool.one_value:
             raise UsageError("an SPMD pool is one process, so its value has no --rank: leave --rank out")
@@ -293,6 +339,8 @@ class Session:
         return pool.value([request.results.get(r) for r in range(pool.size)])
 
     def describe_pool(self) -> str:
+        if self.current_hosts() is not None:
+            return f"pool across hosts {self.hosts.describe()}"
         pool = self.current_pool()
         if pool is None:
             return ("no pool is running. %xla_pool start [--devices N] starts one; %%xla_spawn cells "
@@ -341,6 +389,9 @@ class Session:
     def close(self) -> None:
         """Stop the pool and the launcher, and remove the session's directory."""
         try:
+            if self.hosts is not None:
+                self.hosts, hosts = None, self.hosts
+                hosts.stop()
             if self.pool is not None:
                 self.pool.stop()
         finally:

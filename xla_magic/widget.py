@@ -86,7 +86,8 @@ def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
         facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher), pool_fact(session.current_pool())] + spmd_fact(session),
+               launcher_fact(session.launcher), pool_fact(session.current_pool())] + spmd_fact(session)
+              + hosts_facts(session),
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),
     )
@@ -168,6 +169,14 @@ def pool_fact(pool: Ranks | None) -> Fact:
     if pool is None:
         return Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")
     return Fact("Pool", pool.describe())
+
+
+def hosts_facts(session: Session) -> list[Fact]:
+    """A pool across hosts: the pool, then each host with its engine, launcher and ranks."""
+    hosts = session.current_hosts()
+    if hosts is None:
+        return []
+    return [Fact("Hosts", hosts.describe())] + [Fact(name, text) for name, text in hosts.host_lines()]
 
 
 SPMD_MEMORY_NOTE = "memory per device: torch_xla reports none for an SPMD process (it sees one virtual device)"

@@ -63,9 +63,9 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
         if job.get("spmd"):
             run_spmd(first, ranks, supervisor, job["spmd"])
         elif job["backend"] == "cpu":
-            run_cpu(first, job["run_id"], ranks, supervisor, job["store"])
+            run_cpu(first, job["run_id"], ranks, supervisor, job["store"], job.get("world"))
         else:
-            run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"])
+            run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"], world=job.get("world"))
     except BaseException:
         code = 1
         try:
@@ -85,9 +85,12 @@ def _apply_environment(changes: dict[str, Any]) -> None:
     os.environ.update(changes["set"])
 
 
-def _rank_environment() -> None:
+def _rank_environment(world: dict[str, Any] | None = None) -> None:
     for name in STALE_TPU_VARIABLES:
         os.environ.pop(name, None)
+    if world:  # several hosts: a user's own process group meets on host 0
+        os.environ.setdefault("MASTER_ADDR", world["store_address"])
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -101,14 +104,16 @@ def run_cpu(
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     store: str,
+    world: dict[str, Any] | None = None,
 ) -> None:
     """Fork the ranks; ``store`` is the kernel's directory for the run's gloo
-    store (the kernel owns it and removes it when the ranks end)."""
-    world_size = len(ranks)
+    store (the kernel owns it and removes it when the ranks end). ``world``:
+    these ranks are one host's of several (host, rank_offset, world_size, the
+    TCP store on host 0)."""
     supervisor_pid = os.getpid()
     _fork_and_wait(
         ranks, supervisor,
-        lambda rank: _cpu_rank(rank, world_size, ranks, supervisor, first, run_id, store, supervisor_pid),
+        lambda rank: _cpu_rank(rank, ranks, supervisor, first, run_id, store, supervisor_pid, world),
     )
 
 
@@ -139,18 +144,23 @@ def _fork_and_wait(
 
 def _cpu_rank(
     rank: int,
-    world_size: int,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     first: bytes | None,
     run_id: int,
     store: str,
     supervisor_pid: int,
+    world: dict[str, Any] | None,
 ) -> None:
-    """A simulated device: one process, one XLA CPU device; never returns."""
+    """A simulated device: one process, one XLA CPU device; never returns.
+
+    ``rank`` is its index on this host; with ``world`` its global rank is offset by the hosts before."""
     code = 1
+    local_size = len(ranks)
+    global_rank = rank + (world["rank_offset"] if world else 0)
+    world_size = world["world_size"] if world else local_size
     try:
-        _forked_rank(rank, ranks, supervisor, supervisor_pid)
+        _forked_rank(rank, ranks, supervisor, supervisor_pid, world)
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = "1"
 
@@ -158,12 +168,16 @@ def _cpu_rank(
             import torch
             import torch_xla
 
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
             device = torch_xla.device()
-            simulate.install(rank, world_size, store)  # before the cell: xm/xr across ranks
-            strategy = strategy_module.RankStrategy(rank, world_size, device, simulated=True)
+            # Before the cell: xm/xr across ranks (and hosts).
+            simulate.install(global_rank, world_size, store, dict(world, local_size=local_size) if world else None)
+            strategy = strategy_module.RankStrategy(global_rank, world_size, device, simulated=True, local_rank=rank)
             strategy_module.activate(strategy)
-            return {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
+            names = {"rank": global_rank, "world_size": world_size, "device": device, "strategy": strategy}
+            if world:
+                names.update(local_rank=rank, host=world["host"])
+            return names
 
         closing = simulate.leave(strategy_module.closing_on_store(os.path.join(store, "closing"), run_id, world_size))
         ok = serve.serve(rank, ranks[rank], setup, first, closing)
@@ -174,7 +188,7 @@ def _cpu_rank(
 
 
 def _forked_rank(rank: int, ranks: list[rank_module.RankSockets], supervisor: protocol.Channel,
-                 supervisor_pid: int) -> None:
+                 supervisor_pid: int, world: dict[str, Any] | None = None) -> None:
     """The start of every forked rank: dies with the supervisor, holds only its own sockets."""
     lifetime.die_with_parent(supervisor_pid)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's SIG_IGN is not for ranks
@@ -185,7 +199,7 @@ def _forked_rank(rank: int, ranks: list[rank_module.RankSockets], supervisor: pr
         if other != rank:
             for sock in sockets.all():
                 sock.close()
-    _rank_environment()
+    _rank_environment(world)
 
 
 # --- SPMD: one process, every device ------------------------------------------
@@ -231,7 +245,10 @@ def run_tpu(
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     cpu_threads: bool,
+    world: dict[str, Any] | None = None,
 ) -> None:
+    """torch_xla's spawn. With ``world`` (one host of a multi-host slice) nothing of the slice's shape is set
+    here: torch_xla reads it from the TPU VM's metadata (or GKE's TPU_WORKER_* variables) itself."""
     import torch_xla.distributed.xla_multiprocessing as xmp
 
     _rank_environment()
@@ -250,7 +267,7 @@ def run_tpu(
     relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
     relay.start()
     try:
-        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id), nprocs=nprocs, start_method="fork")
+        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id, world), nprocs=nprocs, start_method="fork")
     except BaseException:
         error = traceback.format_exc()
     else:
@@ -266,8 +283,11 @@ def _tpu_rank(
     supervisor: socket.socket,
     first: bytes | None,
     run_id: int,
+    world: dict[str, Any] | None = None,
 ) -> None:
-    """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel)."""
+    """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel).
+
+    ``index`` is the rank on this host; on several hosts the cell's ``rank`` is the slice's global ordinal."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -279,11 +299,15 @@ def _tpu_rank(
     def setup() -> dict[str, Any]:
         device = torch_xla.device()
         world_size = xr.world_size()
+        rank = xr.global_ordinal() if world else index
         strategy = strategy_module.RankStrategy(
-            index, world_size, device, simulated=False, local_rank=xr.local_ordinal()
+            rank, world_size, device, simulated=False, local_rank=xr.local_ordinal()
         )
         strategy_module.activate(strategy)
-        return {"rank": index, "world_size": world_size, "device": device, "strategy": strategy}
+        names = {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
+        if world:
+            names.update(local_rank=index, host=world["host"])
+        return names
 
     serve.serve(index, ranks[index], setup, first, strategy_module.closing_on_xla(run_id))
     lifetime.flush_c_stdio()

@@ -51,7 +51,7 @@ COLLECTIVES = (
 )
 
 
-def install(rank: int, world_size: int, store_dir: str) -> None:
+def install(rank: int, world_size: int, store_dir: str, world: dict[str, Any] | None = None) -> None:
     """Route torch_xla's collectives and ordinals through the simulation.
 
     The ranks of a run meet through files in ``store_dir`` (the kernel's
@@ -61,7 +61,7 @@ def install(rank: int, world_size: int, store_dir: str) -> None:
     stays the user's, and ``dist.is_initialized()`` is False until user
     code makes one, as on a TPU.
     """
-    exchange.activate(rank, world_size, store_dir)
+    exchange.activate(rank, world_size, store_dir, world)
     for module, name, replacement in _replacements():
         setattr(module, name, replacement)
     traced.install()
@@ -119,13 +119,13 @@ def global_ordinal() -> int:
 
 
 def local_ordinal() -> int:
-    """xr.local_ordinal: on a single-host slice it equals the global ordinal."""
-    return exchange.sim().rank
+    """xr.local_ordinal: the chip on its host (on a single-host slice, the global ordinal)."""
+    return exchange.sim().local_rank
 
 
 def local_process_count() -> int:
     """xr.local_process_count: one process per chip on the host."""
-    return exchange.sim().world_size
+    return exchange.sim().local_size
 
 
 def addressable_device_count() -> int:

@@ -6,7 +6,8 @@ Values are combined on the CPU in rank order afterwards, so every rank
 computes bit-identical results.
 
 The group is ``ProcessGroupGloo`` on loopback, made from a ``FileStore`` in
-the run's directory and never registered with torch.distributed, so the
+the run's directory (across several hosts: on each host's address, from a
+``TCPStore`` on host 0) and never registered with torch.distributed, so the
 default group stays the user's to make.
 
 Counters: a TPU run bumps torch_xla's metric counters (``xla::AllReduce``
@@ -46,14 +47,25 @@ class Simulation:
     store: Any = None  # the FileStore of the run, under the group and the channels
     calls: int = 0  # collectives this rank has entered
     own_counts: dict[str, int] = field(default_factory=dict)  # counters our own copies bumped
+    # Several hosts: the world's store (a TCPStore held by global rank 0) and this host's address.
+    world: dict[str, Any] | None = None
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank - self.world["rank_offset"] if self.world else self.rank
+
+    @property
+    def local_size(self) -> int:
+        return self.world["local_size"] if self.world else self.world_size
 
 
 _active: Simulation | None = None
 
 
-def activate(rank: int, world_size: int, store_dir: str) -> Simulation:
+def activate(rank: int, world_size: int, store_dir: str, world: dict[str, Any] | None = None) -> Simulation:
+    """``world`` (several hosts): host, rank_offset, local_size, address, store_address, store_port."""
     global _active
-    _active = Simulation(rank, world_size, store_dir)
+    _active = Simulation(rank, world_size, store_dir, world=world)
     return _active
 
 
@@ -165,8 +177,16 @@ def _marks(state: Simulation) -> dict[int, str]:
 
 
 def file_store(state: Simulation) -> Any:
+    """The run's store: a file in the run's directory on one host; across hosts (no
+    file is shared there) a TCPStore that global rank 0 holds on host 0's address."""
     if state.store is None:
-        state.store = dist.FileStore(os.path.join(state.store_dir, "simulation"), state.world_size)
+        if state.world:
+            state.store = dist.TCPStore(
+                state.world["store_address"], state.world["store_port"], state.world_size,
+                is_master=state.rank == 0, timeout=GROUP_TIMEOUT, wait_for_workers=False,
+            )
+        else:
+            state.store = dist.FileStore(os.path.join(state.store_dir, "simulation"), state.world_size)
         state.store.set_timeout(GROUP_TIMEOUT)
     return state.store
 
@@ -198,7 +218,10 @@ def _group(state: Simulation) -> Any:
     if state.group is None:
         store = dist.PrefixStore("xla_magic", file_store(state))
         options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")]
+        # Across hosts gloo binds to the host's own address; on one host, to loopback.
+        device = (dist.ProcessGroupGloo.create_device(hostname=state.world["address"]) if state.world
+                  else dist.ProcessGroupGloo.create_device(interface="lo"))
+        options._devices = [device]
         options._timeout = GROUP_TIMEOUT
         # gloo prints "[Gloo] Rank N is connected to M peer ranks" on fd 1
         # whatever the log level; keep it out of the cell.

@@ -1,0 +1,99 @@
+"""Simulated hosts for the multi-host tests: network namespaces, made and removed per module (root only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from xla_magic.hosts.simulated import SimulatedHosts
+
+RANKS_PER_HOST = 2  # the machine has 2 cores: 2 hosts x 2 ranks
+
+
+def namespaces_refused() -> str | None:
+    """Why this machine cannot make network namespaces, or None."""
+    if os.geteuid() != 0:
+        return "simulated hosts need root (network namespaces, bridges, mounts)"
+    for tool in ("ip", "nsenter", "unshare"):
+        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            return f"simulated hosts need {tool} (iproute2 / util-linux)"
+    probe = f"xmprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def make_hosts(tag: int, count: int = 2) -> SimulatedHosts:
+    """``count`` hosts named and addressed apart from any other run's (tag: a small number)."""
+    refused = namespaces_refused()
+    if refused:
+        pytest.skip(refused)
+    hosts = SimulatedHosts(name=f"x{os.getpid() % 100:02d}{tag}", subnet=100 + (os.getpid() + tag) % 150)
+    hosts.up(count)
+    return hosts
+
+
+def launch_template(hosts: SimulatedHosts) -> str:
+    return f"{sys.executable} -m xla_magic.hosts.simulated --name {hosts.name} --subnet {hosts.subnet} exec {{host}} --"
+
+
+def start_line(hosts: SimulatedHosts) -> str:
+    return (f"start --hosts {','.join(hosts.addresses())} --devices {RANKS_PER_HOST} --backend cpu "
+            f"--launch '{launch_template(hosts)}'")
+
+
+def wait_until_empty(hosts: SimulatedHosts, within: float = 60.0) -> dict[str, list[str]]:
+    """Wait until no process is left on any host (processes end in their own time after a stop);
+    what is still there when ``within`` seconds are up."""
+    deadline = time.monotonic() + within
+    while True:
+        left = {address: [_cmdline(pid) for pid in hosts.processes(address)] for address in hosts.addresses()}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {address: pids for address, pids in left.items() if pids}
+        time.sleep(0.2)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return f"{pid}: " + cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        return f"{pid}: (gone)"
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (the controller leads its own, with its heart monitor)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def controllers_on(address: str) -> list[int]:
+    """Live controller processes (and their forked heart monitors) listening for hosts on ``address``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    words = cmdline.read().split(b"\0")
+                with open(f"/proc/{entry}/stat") as stat:
+                    state = stat.read().rpartition(")")[2].split()[0]
+            except OSError:
+                continue
+            if b"xla_magic.hosts.controller" in words and f"--ip={address}".encode() in words and state != "Z":
+                found.append(int(entry))
+    return found

@@ -1,0 +1,300 @@
+"""A pool across several hosts: 2 simulated hosts (network namespaces) x 2 ranks, one real IPython shell,
+a real ipyparallel controller and engines, real launchers and ranks on each host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, launch_template, make_hosts,
+                                  start_line,
+                                  wait_until_empty)
+from xla_magic.display import RankError, RunInterrupted
+
+WORLD = 2 * RANKS_PER_HOST
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    simulated = make_hosts(1)
+    try:
+        yield simulated
+    finally:
+        simulated.down()
+
+
+@pytest.fixture(scope="module")
+def pool(ip, hosts):
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", start_line(hosts))
+    assert "pool ready" in shown.stdout and "2 hosts x 2 ranks" in shown.stdout
+    try:
+        yield ip._xla_magic_session.hosts
+    finally:
+        ip.run_line_magic("xla_pool", "stop")
+
+
+def cell(ip, source: str, line: str = ""):
+    with capture_output() as shown:
+        value = ip.run_cell_magic("xla_spawn", line, source)
+    return value, shown.stdout, shown.stderr
+
+
+def interrupt_when_shown(text: str, times: int) -> None:
+    """SIGINT this process (the stop button) once ``text`` was shown ``times`` times in the running cell."""
+    stdout = sys.stdout  # capture_output's buffer, which the cell writes to
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while stdout.getvalue().count(text) < times and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# --- one world ------------------------------------------------------------------
+
+
+def test_output_is_tagged_with_host_and_rank_and_values_come_in_rank_order(ip, pool, hosts):
+    value, out, _ = cell(ip, "import socket\nprint('on', socket.gethostname(), 'local', local_rank)\n"
+                             "(rank, world_size, host, local_rank)")
+    assert value == [(r, WORLD, r // RANKS_PER_HOST, r % RANKS_PER_HOST) for r in range(WORLD)]
+    for r in range(WORLD):
+        h = r // RANKS_PER_HOST
+        assert f"[h{h} r{r}] on {hosts.hostname(h)} local {r % RANKS_PER_HOST}" in out.splitlines()
+
+
+def test_names_the_cell_reads_reach_every_host(ip, pool):
+    ip.user_ns["scale"] = 3
+    ip.user_ns["offset"] = lambda r: r + 100  # a notebook function, by value
+    value, _, _ = cell(ip, "offset(rank) * scale")
+    assert value == [(r + 100) * 3 for r in range(WORLD)]
+
+
+def test_all_reduce_across_hosts_equals_one_process(ip, pool):
+    import torch
+
+    value, _, _ = cell(ip, "import torch, torch_xla.core.xla_model as xm\n"
+                           "t = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1) + rank\n"
+                           "xm.all_reduce(xm.REDUCE_SUM, t.to(device)).cpu()")
+    expected = sum(torch.arange(6, dtype=torch.float32).reshape(2, 3) * (r + 1) + r for r in range(WORLD))
+    for got in value:
+        assert torch.equal(got, expected)
+
+
+TRAIN = """
+import torch, torch_xla.core.xla_model as xm
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = inputs.chunk(world_size)[rank].to(device), targets.chunk(world_size)[rank].to(device)
+for step in range(5):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    xm.optimizer_step(opt)  # averages the gradients over every rank of every host
+[p.detach().cpu() for p in model.parameters()]
+"""
+
+
+def test_training_across_hosts_equals_a_single_process_reference(ip, pool):
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(8 * WORLD, 4, generator=generator)
+    targets = torch.randn(8 * WORLD, 1, generator=generator)
+    ip.user_ns.update(inputs=inputs, targets=targets)
+    value, _, _ = cell(ip, TRAIN)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):  # the whole batch in one process: the mean of equal shards' mean gradients
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        opt.step()
+    for params in value:
+        for got, expected in zip(params, model.parameters()):
+            assert torch.allclose(got, expected.detach(), atol=1e-6)
+
+
+def test_the_pool_keeps_each_rank_s_state_between_cells(ip, pool):
+    cell(ip, "kept = rank * 10")
+    value, _, _ = cell(ip, "kept + 1")
+    assert value == [r * 10 + 1 for r in range(WORLD)]
+
+
+def test_push_and_pull_reach_every_host(ip, pool):
+    ip.user_ns["pushed"] = {"a": 1}
+    with capture_output():
+        ip.run_line_magic("xla_pool", "push pushed")
+    cell(ip, "pulled = (pushed['a'], rank)")
+    with capture_output():
+        ip.run_line_magic("xla_pool", "pull pulled")
+    assert ip.user_ns["pulled"] == [(1, r) for r in range(WORLD)]
+
+
+def test_status_shows_each_host_with_its_engine_launcher_and_ranks(ip, pool, hosts):
+    with capture_output() as shown:
+        ip.run_line_magic("xla_status", "--text")
+    for index, address in enumerate(hosts.addresses()):
+        line = next(line for line in shown.stdout.splitlines() if f"Host h{index} {address}" in line)
+        assert hosts.hostname(index) in line and "engine" in line and "launcher pid" in line
+        assert f"r{index * 2}-r{index * 2 + 1}: ready" in line
+
+
+def test_the_kernel_and_every_engine_stay_xla_free(ip, pool):
+    cell(ip, "import torch_xla\nrank")  # the ranks do use XLA
+    assert "torch_xla" not in sys.modules
+    assert [row["xla_free"] for row in ip._xla_magic_session.hosts.status()] == [True, True]
+
+def test_spmd_on_several_simulated_hosts_is_refused_with_the_reason(ip, pool, hosts):
+    with pytest.raises(UsageError, match="XLA's CPU client is one process"):
+        ip.run_line_magic("xla_pool", f"start --hosts {','.join(hosts.addresses())} --spmd --backend cpu")
+
+
+def test_the_controller_listens_only_on_the_hosts_side_and_its_files_are_private(ip, pool, hosts):
+    import psutil
+
+    controller = psutil.Process(pool.cluster.controller.process.pid)
+    listening = [c.laddr for c in controller.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    # The hosts' side, and loopback for ipyparallel's own links between its schedulers (no host can reach it).
+    assert listening and {address.ip for address in listening} <= {hosts.kernel_address, "127.0.0.1"}
+    assert any(address.ip == hosts.kernel_address for address in listening)
+    security = os.path.join(pool.cluster.profile_dir, "security")
+    files = os.listdir(security)
+    assert files and all(os.stat(os.path.join(security, f)).st_mode & 0o777 == 0o600 for f in files)
+
+
+# --- faults -------------------------------------------------------------------------
+
+
+def test_a_failing_rank_on_one_host_stops_the_cell_on_every_host(ip, pool):
+    source = ("import torch, torch_xla.core.xla_model as xm\n"
+              "if rank == 3:\n    raise ValueError('bad shard on the second host')\n"
+              "xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=device))  # the others wait for rank 3 here\n")
+    with pytest.raises(RankError) as raised:
+        cell(ip, source)
+    shown = "\n".join(raised.value.render_lines())
+    assert "h1 r3" in raised.value.summary and "other hosts' cells were stopped" in raised.value.summary
+    assert "[h1 r3]" in shown and "ValueError: bad shard on the second host" in shown
+    value, _, _ = cell(ip, "rank")  # the pool keeps working on every host
+    assert value == list(range(WORLD))
+
+
+def test_interrupt_stops_the_cell_on_every_host_and_keeps_the_pool(ip, pool):
+    cell(ip, "survivor = rank + 1")
+    with capture_output():
+        interrupt_when_shown("spinning", WORLD)
+        with pytest.raises(RunInterrupted, match="stopped on every host"):
+            ip.run_cell_magic("xla_spawn", "", "print('spinning', flush=True)\nwhile True:\n    spin = 1\n")
+    value, _, _ = cell(ip, "survivor")
+    assert value == [r + 1 for r in range(WORLD)]
+
+
+def test_timeout_stops_every_host(ip, pool):
+    with pytest.raises(RankError, match="timed out"):
+        cell(ip, "while True:\n    spin = 1\n", line="--timeout 2")
+    assert cell(ip, "rank")[0] == list(range(WORLD))
+
+
+def test_a_killed_engine_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, pool, hosts):
+    engine = pool.engine_pids[1]
+    source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
+
+    def kill_when_running() -> None:
+        stdout = sys.stdout
+        deadline = time.monotonic() + 120
+        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(engine, signal.SIGKILL)
+
+    with capture_output():
+        threading.Thread(target=kill_when_running, daemon=True).start()
+        with pytest.raises(RankError) as raised:
+            ip.run_cell_magic("xla_spawn", "", source)
+    assert f"host h1 ({hosts.address(1)})" in raised.value.summary and "died" in raised.value.summary
+    assert "%xla_pool restart" in raised.value.summary
+    with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
+        cell(ip, "rank")
+    # Host 1's launcher and ranks die with its engine.
+    assert not wait_until_empty_of(hosts, 1)
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", "restart")
+    assert "pool ready" in shown.stdout
+    assert cell(ip, "rank")[0] == list(range(WORLD))
+
+
+
+def test_a_dead_launcher_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, pool, hosts):
+    session = ip._xla_magic_session
+    launcher = next(row for row in session.hosts.status() if row["index"] == 0)["launcher"]["pid"]
+    source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
+
+    def kill_when_running() -> None:
+        stdout = sys.stdout
+        deadline = time.monotonic() + 120
+        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(launcher, signal.SIGKILL)  # its ranks die with it
+
+    with capture_output():
+        threading.Thread(target=kill_when_running, daemon=True).start()
+        with pytest.raises(RankError) as raised:
+            ip.run_cell_magic("xla_spawn", "", source)
+    summary = raised.value.summary
+    assert f"host h0 ({hosts.address(0)})" in summary and "launcher" in summary and "%xla_pool restart" in summary
+    with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
+        cell(ip, "rank")
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", "restart")
+    assert "pool ready" in shown.stdout
+    assert cell(ip, "rank")[0] == list(range(WORLD))
+
+def wait_until_empty_of(hosts, index: int, within: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while hosts.processes(hosts.address(index)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return hosts.processes(hosts.address(index))
+
+
+def test_nothing_is_left_on_any_host_after_stop(ip, pool, hosts):
+    assert any(hosts.processes(address) for address in hosts.addresses())  # engines, launchers, ranks
+    controller = ip._xla_magic_session.hosts.cluster.controller.process.pid  # the restarted pool's
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", "stop")
+    assert "pool stopped" in shown.stdout
+    assert wait_until_empty(hosts) == {}
+    assert group_members(controller) == []
+
+
+
+def test_a_launch_command_that_fails_says_which_host_and_leaves_nothing(ip, hosts):
+    # Host 1's launch fails (as an ssh to a host that is down would); host 0's engine starts, and must go again.
+    unless = os.path.join(os.path.dirname(__file__), "launch_unless.sh")
+    template = f"sh {unless} 1 {{index}} {{host}} " + launch_template(hosts)
+    with pytest.raises(UsageError, match=f"(?s)the engine of {hosts.address(1)} did not start.*cannot reach") as raised:
+        ip.run_line_magic("xla_pool", f"start --hosts {','.join(hosts.addresses())} --backend cpu "
+                                      f"--launch '{template}'")
+    assert hosts.address(0) not in str(raised.value)
+    assert ip._xla_magic_session.current_hosts() is None
+    assert controllers_on(hosts.kernel_address) == []
+    assert wait_until_empty(hosts) == {}
+
+
+def test_bad_host_options_are_usage_errors(ip):
+    with pytest.raises(UsageError, match=r"\{host\} and \{index\} only"):
+        ip.run_line_magic("xla_pool", "start --hosts 10.213.250.2 --launch 'ssh {user}@{host}'")
+    with pytest.raises(UsageError, match="names a host twice"):
+        ip.run_line_magic("xla_pool", "start --hosts 10.213.250.2,10.213.250.2")
+    with pytest.raises(UsageError, match="give the hosts too"):
+        ip.run_line_magic("xla_pool", "start --launch 'ssh {host}'")
+    with pytest.raises(UsageError, match="go with %xla_pool start and restart only"):
+        ip.run_line_magic("xla_pool", "stop --hosts 10.213.250.2")

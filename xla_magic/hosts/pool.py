@@ -1,0 +1,300 @@
+"""A pool across several hosts: an ipyparallel cluster, one engine per host. Runs in the kernel.
+
+``%xla_pool start --hosts A,B`` starts the controller here (listening only
+on this machine's address toward the hosts, with ipyparallel's key), one
+engine per host through the launch template, and in each engine that
+host's own launcher and pool ranks (``hosts.on_host``), as one world:
+global ranks are numbered host by host. Cells then go to every host at once
+and are followed by :class:`~xla_magic.hosts.request.HostsRequest`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+import uuid
+from typing import Any, Mapping
+
+from IPython.core.error import UsageError
+
+from xla_magic import payload
+from xla_magic.hosts import discovery, on_host
+from xla_magic.hosts.launch import DEFAULT_TEMPLATE, HostEngineSetLauncher, KernelControllerLauncher, template_words
+from xla_magic.hosts.request import HostsRequest, label
+from xla_magic.launcher_client import PrivateDir
+
+ENGINES_TIMEOUT = 120.0  # for every engine to register
+START_TIMEOUT = 600.0  # for every host's launcher and ranks to be ready
+HEARTBEAT_MS = 1000  # the controller's heartbeat period; an engine ends after MISSES silent periods
+MISSES = 10
+RESTART = "%xla_pool restart (or %xla_pool stop, then %xla_pool start --hosts ...) starts it anew"
+
+
+class HostsPool:
+    """The kernel's handle on a pool across hosts: the cluster, its engines by host, the world."""
+
+    def __init__(self, hosts: list[str], devices: int | None, backend: str, template: str | None,
+                 workdir: PrivateDir, python: str | None = None) -> None:
+        self.hosts = hosts
+        self.requested_devices = devices
+        self.devices = devices or 0  # ranks per host: what the hosts say, once the engines are up
+        self.backend = backend
+        self.template = template or DEFAULT_TEMPLATE
+        self.python = python or os.environ.get("XLA_MAGIC_HOST_PYTHON") or _kernel_python()
+        self.workdir = workdir
+        self.state = "starting"
+        self.problem: str | None = None
+        self.cluster: Any = None
+        self.client: Any = None
+        self.engines: list[int] = []  # ipyparallel engine id, by host index
+        self.engine_pids: list[int] = []
+        self.address = ""
+        self.cells = 0
+        self.started = time.time()
+        self.start_seconds: float | None = None
+        for index, host in enumerate(hosts):
+            try:
+                template_words(self.template, host, index)
+            except ValueError as exc:
+                raise UsageError(f"--launch: {exc}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * len(self.hosts)
+
+    # -- starting and stopping ------------------------------------------------
+
+    def start(self) -> None:
+        """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
+        began = time.monotonic()
+        try:
+            self._start_cluster()
+            self._start_ranks()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began
+        self.state = "ready"
+
+    def _start_cluster(self) -> None:
+        import ipyparallel as ipp
+
+        self.address = discovery.kernel_address(self.hosts[0])
+        profile = self.workdir.new("cluster-")
+        self.cluster = ipp.Cluster(
+            profile_dir=profile, cluster_id=uuid.uuid4().hex[:8], n=len(self.hosts), controller_ip=self.address,
+            controller_launcher_class=KernelControllerLauncher, engine_launcher_class=HostEngineSetLauncher,
+            controller_args=["--usethreads", f"--HeartMonitor.period={HEARTBEAT_MS}"],
+            shutdown_atexit=True, log_level=40,
+        )
+        self.cluster.start_controller_sync()
+        self.cluster.start_engines_sync(hosts=self.hosts, template=self.template, python=self.python,
+                                        engine_args=[f"--IPEngine.max_heartbeat_misses={MISSES}"])
+        self.client = self.cluster.connect_client_sync()
+        _private(profile)
+        self._wait_for_engines()
+        identities = self.client[:].apply_sync(on_host.identify)
+        by_index = {facts["index"]: (engine, facts["pid"]) for engine, facts in zip(self.client.ids, identities)}
+        self.engines = [by_index[index][0] for index in range(len(self.hosts))]
+        self.engine_pids = [by_index[index][1] for index in range(len(self.hosts))]
+
+    def _wait_for_engines(self) -> None:
+        deadline = time.monotonic() + ENGINES_TIMEOUT
+        while len(self.client.ids) < len(self.hosts):
+            gone = self._engines_gone()
+            if gone:
+                raise UsageError(f"the engine of {gone} did not start{self._engine_log(gone)}")
+            if time.monotonic() > deadline:
+                missing = ", ".join(self.hosts[len(self.client.ids):])
+                raise UsageError(f"not every host's engine registered within {ENGINES_TIMEOUT:g} s "
+                                 f"(still missing: {missing}); check the launch template and that xla_magic "
+                                 f"and ipyparallel are installed on every host")
+            time.sleep(0.1)  # registrations arrive on the client's own thread
+
+    def _engines_gone(self) -> str | None:
+        """A host whose launch command (its engine) already exited."""
+        engine_set = next(iter(self.cluster.engines.values()), None)
+        if engine_set is None:
+            return None
+        stopped = engine_set.stop_data.get("engines", {})  # ipyparallel's notice, when its loop ran
+        for index, host in enumerate(self.hosts):
+            engine = engine_set.launchers.get(str(index))
+            if str(index) in stopped or (engine is not None and _exited(engine)):
+                return host
+        return None
+
+    def _engine_log(self, host: str) -> str:
+        """The end of what a host's launch command printed (ipyparallel keeps it once it saw the exit)."""
+        index = self.hosts.index(host)
+        engine_set = next(iter(self.cluster.engines.values()))
+        text = engine_set.outputs.get(str(index))
+        if text is None:
+            path = os.path.join(self.cluster.profile_dir, "log", f"engine-{index}-{host}.log")
+            try:
+                with open(path, encoding="utf-8", errors="replace") as log:
+                    text = log.read()
+            except OSError:
+                text = ""
+        tail = "".join(text.splitlines(keepends=True)[-15:])
+        return f"; its log ends:\n{tail}" if tail.strip() else ""
+
+    def _start_ranks(self) -> None:
+        # Each host's own devices decide its ranks (a TPU host: its chips); one world needs the same on each.
+        calls = [self.client[engine].apply_async(on_host.ranks_here, self.requested_devices, self.backend)
+                 for engine in self.engines]
+        here = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False).wait()
+        counts = {index: facts["ranks"] for index, facts in enumerate(here)}
+        if len(set(counts.values())) > 1:
+            listing = ", ".join(f"h{index} {self.hosts[index]}: {count}" for index, count in counts.items())
+            raise UsageError(f"the hosts would run different numbers of ranks ({listing}); give --devices "
+                             f"a count every host has")
+        self.devices = counts[0]
+        self.backend = here[0]["backend"]
+        port = self.client[self.engines[0]].apply_sync(on_host.free_port, self.hosts[0])
+        worlds = [
+            {"host": index, "hosts": len(self.hosts), "rank_offset": index * self.devices,
+             "world_size": self.world_size, "address": host, "store_address": self.hosts[0], "store_port": port}
+            for index, host in enumerate(self.hosts)
+        ]
+        calls = [self.client[engine].apply_async(on_host.start, world, self.devices, self.backend)
+                 for engine, world in zip(self.engines, worlds)]
+        request = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False)
+        request.wait()
+
+    def stop(self) -> None:
+        """Every host's ranks and launcher, the engines, then the controller; nothing left anywhere."""
+        self.state = "stopped"
+        client, cluster, self.client, self.cluster = self.client, self.cluster, None, None
+        try:
+            if client is not None:
+                try:
+                    if client.ids:
+                        client[:].apply_async(on_host.stop).wait(30)
+                        client.shutdown(targets="all", block=True)  # each nanny tells a live controller
+                finally:
+                    client.close()
+        finally:
+            if cluster is not None:
+                controller = getattr(cluster.controller, "pid", None)
+                try:
+                    cluster.stop_cluster_sync()
+                finally:
+                    _end_group(controller)
+
+    # -- requests ---------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        if self.state == "broken":
+            raise UsageError(f"the pool across hosts is broken ({self.problem}); nothing ran. {RESTART}.")
+
+    def mark_broken(self, problem: str) -> None:
+        self.state, self.problem = "broken", problem
+
+    def run_cell(self, cell: str, user_ns: Mapping[str, Any], hidden: Mapping[str, Any],
+                 timeout: float | None) -> list[Any]:
+        """A cell on every host at once; the list of every global rank's value, in rank order."""
+        self.check_usable()
+        import cloudpickle
+
+        _, names = payload.analyse(cell, "<xla_spawn cell>")
+        values = payload.select_names(names, user_ns, hidden)
+        try:
+            blob = cloudpickle.dumps(values)  # once, for every host
+        except Exception as exc:
+            raise UsageError(f"a value the cell reads cannot be pickled for the hosts: {type(exc).__name__}: {exc}")
+        calls = [self.client[engine].apply_async(on_host.run_cell, cell, blob, timeout) for engine in self.engines]
+        values_by_host = HostsRequest(self, calls, timeout=None).wait()
+        self.cells += 1
+        return [value for host_values in values_by_host for value in (host_values or [None] * self.devices)]
+
+    def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
+        self.check_usable()
+        import cloudpickle
+
+        missing = [name for name in names if name not in user_ns]
+        if missing:
+            raise UsageError(f"no notebook variable named {', '.join(missing)} to push")
+        blob = cloudpickle.dumps({name: user_ns[name] for name in names})
+        HostsRequest(self, [self.client[e].apply_async(on_host.push, blob) for e in self.engines]).wait()
+
+    def pull(self, name: str) -> list[Any]:
+        self.check_usable()
+        values = HostsRequest(self, [self.client[e].apply_async(on_host.pull, name) for e in self.engines]).wait()
+        return [value for host_values in values for value in host_values]
+
+    # -- describing -----------------------------------------------------------------
+
+    def describe(self) -> str:
+        state = self.state if self.problem is None else f"{self.state} ({self.problem})"
+        return (f"{state}: {len(self.hosts)} hosts x {self.devices} ranks on the {self.backend} backend "
+                f"({self.world_size} ranks in all), controller on {self.address}; {self.cells} cell(s) run")
+
+    def status(self, patience: float = 2.0) -> list[dict[str, Any]]:
+        """Each host: its address, its engine, launcher and ranks (what the engine says, or why it cannot)."""
+        rows: list[dict[str, Any]] = []
+        for index, host in enumerate(self.hosts):
+            row: dict[str, Any] = {"host": host, "index": index, "engine": self.engines[index],
+                                   "ranks": f"r{index * self.devices}-r{(index + 1) * self.devices - 1}"}
+            try:
+                row.update(self.client[self.engines[index]].apply_async(on_host.status).get(patience))
+            except Exception as exc:  # a dead engine, or one busy with a cell: say so, the panel must not fail
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            rows.append(row)
+        return rows
+
+    def host_lines(self) -> list[tuple[str, str]]:
+        """(name, facts) per host, for %xla_status."""
+        lines = []
+        for row in self.status():
+            name = f"Host h{row['index']} {row['host']}"
+            if "error" in row:
+                lines.append((name, f"engine {row['engine']} (pid {self.engine_pids[row['index']]}) does not "
+                                    f"answer now (busy with a cell, or gone): {row['error']}"))
+                continue
+            launcher = row.get("launcher") or {}
+            pool = row.get("pool") or {}
+            alive = "" if launcher.get("alive", True) else " (dead)"
+            xla = "XLA-free" if row.get("xla_free") else "holds XLA"
+            lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']} ({xla}); launcher pid "
+                                f"{launcher.get('pid', '-')}{alive}; ranks {row['ranks']}: {pool.get('describe', 'none')}"))
+        return lines
+
+
+def _exited(engine: Any) -> bool:
+    """Whether an engine's launch command has exited (ipyparallel's own notice needs its event loop running)."""
+    import psutil
+
+    popen = getattr(engine, "_popen_process", None)  # set by HostEngineLauncher.start
+    if popen is not None and popen.poll() is not None:
+        return True
+    try:
+        return engine.process is not None and engine.process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _end_group(leader: int | None) -> None:
+    """SIGKILL what is left of the controller's process group (its forked heart monitor)."""
+    if leader and leader > 0:
+        try:
+            os.killpg(leader, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _kernel_python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def _private(profile: str) -> None:
+    """Make the cluster's connection files (they hold its key) readable by this user only."""
+    security = os.path.join(profile, "security")
+    for name in os.listdir(security) if os.path.isdir(security) else []:
+        os.chmod(os.path.join(security, name), stat.S_IRUSR | stat.S_IWUSR)
+
+
+__all__ = ["HostsPool", "label", "RESTART"]

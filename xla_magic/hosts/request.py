@@ -1,0 +1,181 @@
+"""One request to every host of a pool across hosts, followed to the end. Runs in the kernel.
+
+As :class:`~xla_magic.request.Request` follows every rank, this follows
+every host's engine: it shows each host's output as it streams in (lines
+already tagged ``[hH rN]`` by the host), and when one host fails, is
+interrupted or loses its engine, it interrupts every other host (fail-fast
+across hosts) and raises one error that shows each failing rank's
+traceback, tagged with its host. A Ctrl-C in the kernel interrupts every
+host the same way.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+
+from xla_magic.display import RankError, RankFailure, RunInterrupted
+
+if TYPE_CHECKING:
+    from xla_magic.hosts.pool import HostsPool
+
+STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
+
+
+def label(devices: int) -> Any:
+    """The tag of a global rank: ``hH rN``."""
+    return lambda rank: f"h{rank // devices} r{rank}"
+
+
+class HostsRequest:
+    """``calls``: one ipyparallel AsyncResult per host, in host order."""
+
+    def __init__(self, pool: HostsPool, calls: list[Any], timeout: float | None = None, echo: bool = True) -> None:
+        self.pool = pool
+        self.calls = calls
+        self.timeout = timeout
+        self.echo = echo
+        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.shown: dict[tuple[int, str], int] = {}
+        self.stopping: str | None = None  # why the other hosts were told to stop: failure, interrupt, timeout
+        self.stopped_at: float | None = None
+
+    def wait(self) -> list[Any]:
+        """Every host's value, in host order, or the error that says what went wrong where."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while len(self.outcomes) < len(self.calls):
+            try:
+                self._collect()
+                self._show()
+                if self.stopping is None and deadline is not None and time.monotonic() > deadline:
+                    self._stop_hosts("timeout")
+                if self.stopped_at is not None and time.monotonic() - self.stopped_at > STOP_PATIENCE:
+                    self._give_up()
+                pending = [call for index, call in enumerate(self.calls) if index not in self.outcomes]
+                if pending:
+                    pending[0].wait(0.02)
+            except KeyboardInterrupt:
+                if self.stopping == "interrupt":
+                    self._give_up()  # a second Ctrl-C: stop waiting for the hosts
+                self._stop_hosts("interrupt")
+        self._show()
+        return self._result()
+
+    # -- following ----------------------------------------------------------------
+
+    def _collect(self) -> None:
+        for index, call in enumerate(self.calls):
+            if index in self.outcomes or not call.ready():
+                continue
+            try:
+                outcome = call.get()
+            except Exception as exc:  # the engine died or could not run the call
+                outcome = {"outcome": "lost", "message": _engine_problem(exc)}
+                self.pool.mark_broken(f"the engine of host h{index} ({self.pool.hosts[index]}) "
+                                      f"{outcome['message']}")
+            self.outcomes[index] = outcome
+            if outcome.get("broken"):
+                self.pool.mark_broken(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
+            if outcome["outcome"] != "ok" and self.stopping is None:
+                self._stop_hosts("failure")
+
+    def _show(self) -> None:
+        """What each host printed since last time, host by host (each host's lines are whole and tagged)."""
+        if not self.echo:
+            return
+        for index, call in enumerate(self.calls):
+            for stream, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                text = getattr(call, stream) or ""
+                start = self.shown.get((index, stream), 0)
+                if len(text) > start:
+                    out.write(text[start:])
+                    out.flush()
+                    self.shown[(index, stream)] = len(text)
+
+    def _stop_hosts(self, why: str) -> None:
+        """SIGINT to every host still running: each stops its ranks as an interrupted cell does."""
+        self.stopping = why
+        self.stopped_at = time.monotonic()
+        running = [self.pool.engines[index] for index in range(len(self.calls)) if index not in self.outcomes]
+        if running and self.pool.client is not None:
+            try:
+                # Blocking: each nanny answers once its signal is sent, so none arrives in a later request.
+                self.pool.client.send_signal(signal.SIGINT, targets=running, block=True)
+            except Exception as exc:  # noqa: BLE001 - a lost controller must not hide the failure
+                self.pool.mark_broken(f"could not interrupt the hosts ({type(exc).__name__}: {exc})")
+
+    def _give_up(self) -> None:
+        hosts = [f"h{index} ({self.pool.hosts[index]})" for index in range(len(self.calls))
+                 if index not in self.outcomes]
+        for index in range(len(self.calls)):
+            self.outcomes.setdefault(index, {"outcome": "lost", "message": "did not stop when told to"})
+        self.pool.mark_broken(f"host(s) {', '.join(hosts)} did not stop when told to")
+
+    # -- the end ----------------------------------------------------------------------
+
+    def _result(self) -> list[Any]:
+        outcomes = [self.outcomes[index] for index in range(len(self.calls))]
+        if all(outcome["outcome"] == "ok" for outcome in outcomes):
+            return [outcome["value"] for outcome in outcomes]
+        refused = [(index, o) for index, o in enumerate(outcomes) if o["outcome"] == "refused"]
+        if refused and all(o["outcome"] in ("refused", "interrupted") for o in outcomes):
+            raise UsageError("; ".join(f"host h{index}: {o['message']}" for index, o in refused))
+        if self.stopping == "interrupt" and all(o["outcome"] in ("ok", "interrupted") for o in outcomes):
+            raise RunInterrupted(f"interrupted; the cell was stopped on every host. {self._pool_note()}",
+                                 self._results(outcomes))
+        raise self._error(outcomes)
+
+    def _error(self, outcomes: list[dict[str, Any]]) -> RankError:
+        devices = self.pool.devices
+        failures: list[RankFailure] = []
+        problems: list[str] = []
+        for index, outcome in enumerate(outcomes):
+            offset = index * devices
+            if outcome["outcome"] == "failed":
+                failures += [RankFailure(offset + f["rank"], f["type"], f["message"], f["traceback"], f["exit_code"])
+                             for f in outcome["failures"]]
+                if not outcome["failures"]:
+                    problems.append(f"host h{index}: {outcome['summary']}")
+            elif outcome["outcome"] in ("lost", "refused"):
+                problems.append(f"host h{index} ({self.pool.hosts[index]}): {outcome['message']}")
+        where = sorted({f.rank for f in failures})
+        parts = [f"rank(s) {', '.join(label(devices)(rank) for rank in where)} failed"] if where else []
+        parts += problems
+        if self.stopping == "failure" and len(outcomes) > 1:
+            parts.append("the other hosts' cells were stopped")
+        if self.stopping == "timeout":
+            parts.insert(0, f"timed out after {self.timeout:g} s")
+        summary = "; ".join(parts) + f"; {self._pool_note()}"
+        if not failures:  # nothing with a traceback: say it as one failure of the first host that went wrong
+            failures = [RankFailure(-1, "HostFailure", summary)]
+        return RankError(failures, self._results(outcomes), summary, label=_failure_label(devices))
+
+    def _results(self, outcomes: list[dict[str, Any]]) -> dict[int, Any]:
+        results: dict[int, Any] = {}
+        for index, outcome in enumerate(outcomes):
+            for rank, value in (outcome.get("results") or {}).items():
+                results[index * self.pool.devices + rank] = value
+        return results
+
+    def _pool_note(self) -> str:
+        from xla_magic.hosts.pool import RESTART
+
+        if self.pool.state == "broken":
+            return f"the pool is broken ({self.pool.problem}): {RESTART}"
+        return "the pool keeps its ranks and their namespaces on every host"
+
+
+def _failure_label(devices: int) -> Any:
+    tag = label(devices)
+    return lambda rank: "hosts" if rank < 0 else tag(rank)
+
+
+def _engine_problem(exc: Exception) -> str:
+    name = type(exc).__name__
+    if name == "EngineError" or "died" in str(exc):
+        return f"died ({exc})"
+    return f"failed: {name}: {exc}"
