@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import widget
+from xla_magic import widget, xla_report
 from xla_magic.display import in_notebook
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
@@ -64,6 +64,16 @@ def spmd_arguments(function: Any) -> Any:
     return function
 
 
+def xla_report_argument(function: Any) -> Any:
+    """--xla-report, shared by %%xla_spawn and %xla_pool."""
+    return argument(
+        "--xla-report", choices=xla_report.MODES, default=None,
+        help="what XLA did in each cell (compilations and their causes, syncs, CPU fallbacks): auto (default) "
+        "shows one line under a cell when something deserves a look, full the whole report after every cell, "
+        "off nothing (and the ranks do not count)",
+    )(function)
+
+
 def spmd_options(args: argparse.Namespace) -> SpmdOptions | None:
     """The SPMD options asked for, None without --spmd; --mesh or --axes alone is a UsageError."""
     if not args.spmd:
@@ -104,6 +114,7 @@ class XlaMagics(Magics):
         help="while a pool runs, run this cell in newly spawned ranks instead of the pool's",
     )
     @spmd_arguments
+    @xla_report_argument
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -131,7 +142,7 @@ class XlaMagics(Magics):
         results = self.session.run_cell(
             cell, args.devices, args.backend, args.timeout, args.fresh,
             self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
-            spmd=spmd_options(args),
+            spmd=spmd_options(args), xla_report=args.xla_report,
         )
         if args.out:
             self.shell.user_ns[args.out] = results
@@ -139,6 +150,31 @@ class XlaMagics(Magics):
         if not self.session.one_value and results is not None and all(value is None for value in results):
             return None
         return results
+
+    @magic_arguments()
+    @argument("--text", action="store_true", help="print the report as text, even in a notebook")
+    @line_magic
+    def xla_report(self, line: str) -> None:
+        """Show what XLA did in the last %%xla_spawn cell, rank by rank.
+
+        Compilations (how many, how long, the cell line that caused each and
+        why: the cause from torch_xla's compilation analysis, the graph's
+        hash, its inputs), executions, compilations served from the cache,
+        device-to-host transfers and the ops that fell back to the CPU. A
+        table in a notebook, text elsewhere. ``--xla-report full`` on
+        ``%%xla_spawn`` or ``%xla_pool start`` shows it after every cell.
+        """
+        args = parse_argstring(self.xla_report, line)
+        record = self.session.last_cell
+        if record is None:
+            raise UsageError("no %%xla_spawn cell has run yet: run one, then %xla_report shows what XLA did in it")
+        report = xla_report.Report(record)
+        if args.text or not in_notebook(self.shell):
+            print(repr(report))
+        else:
+            from IPython.display import display
+
+            display(report)
 
     @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")
@@ -170,6 +206,7 @@ class XlaMagics(Magics):
     )
     @argument("-r", "--rank", type=int, default=None, help="pull: take the value of this rank only")
     @spmd_arguments
+    @xla_report_argument
     @line_magic
     def xla_pool(self, line: str) -> None:
         """Keep ranks alive between %%xla_spawn cells: a persistent pool.
@@ -195,9 +232,10 @@ class XlaMagics(Magics):
         spmd = spmd_options(args)
         live = in_notebook(self.shell)
         if args.action == "start":
-            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
+            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report)
         elif args.action == "restart":
-            self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
+            self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd,
+                                      xla_report=args.xla_report)
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":
@@ -226,6 +264,8 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
             raise UsageError("%xla_pool pull takes one name at a time, like %xla_pool pull loss --rank 0")
     elif args.names:
         raise UsageError(f"%xla_pool {args.action} takes no names (only push and pull do)")
+    if args.xla_report is not None and args.action not in ("start", "restart"):
+        raise UsageError("--xla-report goes with %xla_pool start and restart only (or with %%xla_spawn, for one cell)")
     if args.rank is not None and args.action != "pull":
         raise UsageError("--rank goes with %xla_pool pull only")
     if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):

@@ -1,0 +1,423 @@
+"""What XLA did during a cell, counted where it happened. Runs in a rank (process or thread).
+
+The account of one cell is plain data (see ``Span.account``): compilations
+with their time and cause, executions, cache hits, device-to-host
+transfers and CPU fallbacks. Counts are deltas of torch_xla's own counters
+(``torch_xla._XLAC``, what ``torch_xla.debug.metrics`` reads) between the
+cell's start and end. Causes come from torch_xla's compilation analysis
+(``PT_XLA_DEBUG_LEVEL=1``): one block per compilation naming its cause,
+the graph's hash and the Python frames that triggered it. ``claim_analysis``
+points that analysis at a private file per process before the runtime
+first compiles (torch_xla reads the variables once); a user who set the
+variables keeps torch_xla's own output and the account has no causes.
+
+Costs: a cell that does no XLA work pays two reads of the counters (a few
+microseconds); the analysis is written only when XLA compiles, which takes
+far longer itself. ``.item()`` and ``.tolist()`` of XLA tensors note the
+cell line they were called from, so syncs have a line.
+
+Ranks that are threads of one process (the tpu launch path on CPU, v2/v3
+cores) share its counters: one span covers every rank thread that is in a
+cell, and the last to leave reports it for all of them (``ranks``).
+
+The CPU simulation's own copies (its collectives move tensors through the
+host) are not the user's: ``simulate.exchange`` counts what they add, and
+that is taken off.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+# Set by a user, these give torch_xla's own debug output: then we set nothing.
+DEBUG_VARIABLES = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
+# Frames the analysis keeps per compilation (torch_xla's default is 8): a sync deep in a library still reaches the cell.
+ANALYSIS_FRAMES = 32
+SYNC_FRAMES = 12  # how far up from .item() to look for a cell's line
+# The op torch_xla counts as aten::_local_scalar_dense is .item() and friends: a sync, not a fallback.
+SCALAR_READ = "aten::_local_scalar_dense"
+TRANSFERS = "TransferFromDeviceTime"
+COMPILE_TIME = "CompileTime"
+EXECUTE_TIMES = ("ExecuteTime", "ExecuteReplicatedTime")
+_FRAME = re.compile(r"^\s*(?P<function>.*) \((?P<file>.*):(?P<line>\d+)\)$")
+_GB = re.compile(r"Graph input size: ([0-9.]+) GB")
+
+
+# --- the analysis file --------------------------------------------------------------
+
+_claim_lock = threading.Lock()
+_claimed_pid: int | None = None
+_analysis_file: str | None = None
+_user_debug: bool | None = None  # decided once, before we set anything; inherited by forks
+
+
+def claim_analysis() -> str | None:
+    """Have this process's compilation analysis written to a private file; its path.
+
+    Call in each rank process before it compiles anything. None when the
+    user set torch_xla's debug variables themselves (their output stays
+    theirs, as without xla_magic).
+    """
+    global _claimed_pid, _analysis_file, _user_debug
+    with _claim_lock:
+        if _claimed_pid == os.getpid():
+            return _analysis_file
+        if _user_debug is None:
+            _user_debug = any(os.environ.get(name) for name in DEBUG_VARIABLES)
+        _claimed_pid = os.getpid()
+        _analysis_file = None
+        if _user_debug:
+            return None
+        descriptor, path = tempfile.mkstemp(prefix=f"xla_magic-analysis-{os.getpid()}-", suffix=".txt")
+        os.close(descriptor)
+        os.environ.update(PT_XLA_DEBUG_LEVEL="1", PT_XLA_DEBUG_FILE=path, PT_XLA_DEBUG_MAX_FRAME=str(ANALYSIS_FRAMES))
+        _analysis_file = path
+        return path
+
+
+def release_analysis() -> None:
+    """Remove this process's analysis file (at the rank's end)."""
+    global _analysis_file
+    with _claim_lock:
+        if _analysis_file is not None and _claimed_pid == os.getpid():
+            try:
+                os.unlink(_analysis_file)
+            except OSError:
+                pass
+            _analysis_file = None
+
+
+def read_analysis(path: str | None) -> str:
+    """What the analysis wrote since the last read; the file is emptied for the next."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "r+", errors="replace") as file:
+            text = file.read()
+            if text:
+                file.truncate(0)
+            return text
+    except OSError:
+        return ""
+
+
+def parse_analysis(text: str) -> list[dict[str, Any]]:
+    """torch_xla's compilation analysis blocks, as one dict per compilation.
+
+    Keys: ``cause``, ``hash``, ``inputs`` (count), ``input_bytes`` (from the
+    post-compilation analysis; GB with six decimals, so about 1 KB apart),
+    ``frames`` ([(function, file, line)], innermost first).
+    """
+    compilations: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    expecting_cause = in_frames = False
+    for raw in text.splitlines():
+        if raw.startswith("Post Compilation Analysis: "):
+            size = _GB.search(raw)
+            if size and compilations and compilations[-1].get("input_bytes") is None:
+                compilations[-1]["input_bytes"] = int(float(size.group(1)) * (1 << 30))
+            continue
+        prefix, _, body = raw.partition("Compilation Analysis: ")
+        if not _ or prefix:  # not ours, or the "Unexpected Execution" kind
+            continue
+        content = body.strip()
+        if content.startswith("=") or content.startswith("-"):
+            in_frames = False
+            continue
+        if content == "Compilation Cause":
+            current = {"cause": "", "hash": "", "inputs": None, "input_bytes": None, "frames": []}
+            compilations.append(current)
+            expecting_cause, in_frames = True, False
+        elif current is None:
+            continue
+        elif expecting_cause:
+            current["cause"], expecting_cause = content, False
+        elif content.startswith("Graph Hash:"):
+            current["hash"] = content.partition(":")[2].strip()
+        elif content.startswith("Number of Graph Inputs:"):
+            current["inputs"] = int(content.partition(":")[2])
+        elif content.startswith("Python Frame Triggered Execution"):
+            in_frames = True
+        elif in_frames:
+            frame = _FRAME.match(body)
+            if frame:
+                current["frames"].append((frame["function"], frame["file"], int(frame["line"])))
+    return compilations
+
+
+# --- reading the counters --------------------------------------------------------------
+
+
+def _xlac() -> Any:
+    import torch_xla
+
+    return torch_xla._XLAC
+
+
+def read_counters() -> dict[str, int]:
+    xlac = _xlac()
+    return {name: xlac._xla_counter_value(name) or 0 for name in xlac._xla_counter_names()}
+
+
+def _own_counts() -> dict[str, int]:
+    """What the CPU simulation's own copies added to the counters (empty outside it)."""
+    exchange = sys.modules.get("xla_magic.launcher.simulate.exchange")
+    active = getattr(exchange, "_active", None) if exchange is not None else None
+    return dict(active.own_counts) if active is not None else {}
+
+
+def _metric_since(name: str, since: float, count: int) -> tuple[int, float]:
+    """(samples, seconds) of metric ``name`` posted since ``since`` (wall-clock seconds).
+
+    torch_xla keeps the latest samples of a metric with their times; when
+    more than it keeps came in, the total is scaled from those kept.
+    """
+    data = _xlac()._xla_metric_data(name)
+    if not data:
+        return 0, 0.0
+    _total, _accumulator, samples = data
+    recent = [value for stamp, value in samples if stamp >= since]
+    seconds = sum(recent) / 1e9
+    if count > len(recent) and recent:
+        seconds *= count / len(recent)
+    return max(count, len(recent)), seconds
+
+
+def _transfers_total() -> int:
+    data = _xlac()._xla_metric_data(TRANSFERS)
+    return int(data[0]) if data else 0
+
+
+class _Baseline:
+    """The counters at a span's start, and the transfer total, read only when the counters moved."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, int] = {}
+        self.own: dict[str, int] = {}
+        self.wall = 0.0
+        self.transfers = 0
+
+    def take(self, cached: tuple[dict[str, int], int] | None) -> None:
+        self.wall = time.time()
+        self.counters = read_counters()
+        self.own = _own_counts()
+        if cached is not None and cached[0] == self.counters:
+            self.transfers = cached[1]  # nothing ran since it was read
+        else:
+            self.transfers = _transfers_total()
+
+
+# --- syncs at cell lines ------------------------------------------------------------------
+
+_current: "Span | None" = None  # the process's open span, while any rank thread is in a cell
+
+
+def _note_sync(depth: int = 2) -> None:
+    span = _current
+    if span is None:
+        return
+    frame = sys._getframe(depth)
+    for _ in range(SYNC_FRAMES):
+        if frame is None:
+            return
+        if frame.f_code.co_filename in span.cells:
+            key = (frame.f_code.co_filename, frame.f_lineno)
+            span.sync_lines[key] = span.sync_lines.get(key, 0) + 1
+            return
+        frame = frame.f_back
+
+
+def _noting(method: Any) -> Any:
+    def noted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # Code that dynamo compiles sees only the original (is_compiling is a constant there).
+        if _current is not None and not torch.compiler.is_compiling() and self.device.type == "xla":
+            _note_sync()
+        return method(self, *args, **kwargs)
+
+    noted.__name__, noted.__qualname__, noted.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    noted.__wrapped__ = method  # type: ignore[attr-defined]
+    return noted
+
+
+_hooked = False
+
+
+def _hook_syncs() -> None:
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        for name in ("item", "tolist"):
+            setattr(torch.Tensor, name, _noting(getattr(torch.Tensor, name)))
+
+
+# --- one span: what XLA did while rank threads of this process were in a cell ---------------
+
+
+class Span:
+    def __init__(self, analysis: str | None, seen: dict[str, dict[str, Any]], cells: set[str]) -> None:
+        self.analysis = analysis
+        self.seen = seen
+        self.cells = cells
+        self.ranks: list[int] = []
+        self.active = 0
+        self.cache: tuple[dict[str, int], int] | None = None
+        self.sync_lines: dict[tuple[str, int], int] = {}
+        self.start = _Baseline()
+
+    def account(self, filename: str) -> dict[str, Any]:
+        """The span's account, as plain data for the kernel (protocol.XLA)."""
+        counters = read_counters()
+        own = _own_counts()
+        before = self.start.counters
+
+        def grown(name: str) -> int:
+            added_by_us = own.get(name, 0) - self.start.own.get(name, 0)
+            return max(0, counters.get(name, 0) - before.get(name, 0) - added_by_us)
+
+        moved = counters != before
+        transfers = _transfers_total() if moved else self.start.transfers
+        own_transfers = own.get(TRANSFERS, 0) - self.start.own.get(TRANSFERS, 0)
+        compiles = grown("UncachedCompile")
+        executions = grown("ExecuteComputation") + grown("ExecuteReplicated")
+        compile_seconds = _metric_since(COMPILE_TIME, self.start.wall, compiles)[1] if compiles else 0.0
+        execute_seconds = 0.0
+        if executions:
+            for name in EXECUTE_TIMES:
+                execute_seconds += _metric_since(name, self.start.wall, 0)[1]
+        fallbacks = {
+            name: grown(name) for name in counters
+            if name.startswith("aten::") and name != SCALAR_READ and grown(name)
+        }
+        compilations = self._compilations(read_analysis(self.analysis) if compiles else "")
+        self.cache = (counters, transfers)
+        return {
+            "ranks": sorted(self.ranks),
+            "cell": filename,
+            "compiles": compiles,
+            "compile_seconds": compile_seconds,
+            "cached": grown("CachedCompile"),
+            "executions": executions,
+            "execute_seconds": execute_seconds,
+            "transfers": max(0, transfers - self.start.transfers - own_transfers),
+            "scalar_reads": grown(SCALAR_READ),
+            "fallbacks": fallbacks,
+            "compilations": compilations,
+            "sync_lines": [
+                {"cell": file, "line": line, "code": _code(file, line), "count": count}
+                for (file, line), count in sorted(self.sync_lines.items(), key=lambda item: -item[1])
+            ],
+            "analysis": "ours" if self.analysis is not None else "user",
+        }
+
+    def _compilations(self, text: str) -> list[dict[str, Any]]:
+        blocks = parse_analysis(text)
+        seconds = _compile_samples(self.start.wall)
+        if len(seconds) != len(blocks):
+            seconds = [None] * len(blocks)
+        compilations = []
+        for block, duration in zip(blocks, seconds):
+            where = next(((file, line) for _fn, file, line in block["frames"] if file in self.cells), None)
+            code = _code(*where) if where else ""
+            entry = {
+                "cause": _cause(block),
+                "hash": block["hash"],
+                "inputs": block["inputs"],
+                "input_bytes": block["input_bytes"],
+                "seconds": duration,
+                "cell": where[0] if where else None,
+                "line": where[1] if where else None,
+                "code": code,
+                "earlier": None,
+            }
+            if code:
+                earlier = self.seen.get(code)
+                if earlier is not None and earlier["cell"] != where[0]:
+                    entry["earlier"] = earlier
+            compilations.append(entry)
+        for entry in compilations:
+            if entry["code"]:
+                self.seen[entry["code"]] = {key: entry[key] for key in ("cell", "line", "hash", "inputs", "input_bytes")}
+        return compilations
+
+
+def _compile_samples(since: float) -> list[float]:
+    data = _xlac()._xla_metric_data(COMPILE_TIME)
+    return [value / 1e9 for stamp, value in data[2] if stamp >= since] if data else []
+
+
+def _cause(block: dict[str, Any]) -> str:
+    cause = block["cause"]
+    files = [file for _fn, file, _line in block["frames"]]
+    if any("xla_magic/launcher/simulate" in file for file in files):
+        return "a collective (simulated on the CPU) needed the tensor's value"
+    if cause.startswith("most likely user code trying to access tensor value"):
+        return "the code read a tensor's value before the step ended"
+    return cause
+
+
+def _code(filename: str, line: int) -> str:
+    import linecache
+
+    return linecache.getline(filename, line).strip()
+
+
+class Accountant:
+    """This process's accounts: one open span at a time, shared by its rank threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.analysis = claim_analysis()
+        self.seen: dict[str, dict[str, Any]] = {}  # a line's code -> its last compilation, across cells
+        self.cells: set[str] = set()  # every cell this process ran: functions they defined still run
+        self.span: Span | None = None
+        self.cache: tuple[dict[str, int], int] | None = None
+        _hook_syncs()
+
+    def begin(self, rank: int, filename: str) -> None:
+        global _current
+        with self.lock:
+            self.cells.add(filename)
+            if self.span is None:
+                read_analysis(self.analysis)  # what compiled between cells is no cell's
+                self.span = Span(self.analysis, self.seen, self.cells)
+                self.span.start.take(self.cache)
+                _current = self.span
+            self.span.ranks.append(rank)
+            self.span.active += 1
+
+    def end(self, filename: str) -> dict[str, Any] | None:
+        """The account, for the last rank thread to leave the span; None for the others."""
+        global _current
+        with self.lock:
+            span = self.span
+            if span is None:
+                return None
+            span.active -= 1
+            if span.active:
+                return None
+            self.span = _current = None
+            account = span.account(filename)
+            self.cache = span.cache
+            return account
+
+
+_accountant: Accountant | None = None
+_accountant_pid: int | None = None
+_accountant_lock = threading.Lock()
+
+
+def accountant() -> Accountant:
+    """This process's accountant, one for all its rank threads (made anew in a forked child)."""
+    global _accountant, _accountant_pid
+    with _accountant_lock:
+        if _accountant is None or _accountant_pid != os.getpid():
+            _accountant, _accountant_pid = Accountant(), os.getpid()
+        return _accountant

@@ -1,0 +1,380 @@
+"""What XLA did in a cell, told from the ranks' accounts. Runs in the kernel.
+
+Each rank sends its account (launcher/xla_account.py) with its reply; the
+request stores it on the run's record (``RankState.xla``). From the record
+this module makes the one line shown under a cell when something deserves
+a look (recompilations and the line that caused them, device-to-host syncs
+in a loop, CPU fallbacks, long compiles, ranks that differ), and the full
+report: a table in a notebook, text in a terminal.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from xla_magic.record import RunRecord
+
+MODES = ("auto", "full", "off")
+SYNCS_WORTH_A_LOOK = 3  # syncs from one line (a loop), or ...
+ALL_SYNCS_WORTH_A_LOOK = 10  # ... in all, before the summary names them
+LONG_COMPILE = 10.0  # seconds of compiling that are worth a word on their own
+
+
+@dataclass
+class Group:
+    """Ranks whose accounts tell the same story (or one process's rank threads, which share one)."""
+
+    ranks: list[int]
+    account: dict[str, Any]
+    shared: bool  # one account of a process that several rank threads share
+
+
+def groups(record: RunRecord) -> list[Group]:
+    """The record's accounts, ranks with the same story together, by first rank."""
+    found: dict[int, Group] = {}
+    by_story: dict[tuple[Any, ...], Group] = {}
+    for rank, state in sorted(record.ranks.items()):
+        account = state.xla
+        if account is None or id(account) in found:
+            if account is not None and rank not in found[id(account)].ranks:
+                found[id(account)].ranks.append(rank)
+            continue
+        shared = len(account.get("ranks", ())) > 1
+        story = _story(account)
+        if not shared and story in by_story:
+            by_story[story].ranks.append(rank)
+            found[id(account)] = by_story[story]
+            continue
+        group = Group([rank], account, shared)
+        found[id(account)] = group
+        if not shared:
+            by_story[story] = group
+    return sorted({id(group): group for group in found.values()}.values(), key=lambda group: group.ranks[0])
+
+
+def _story(account: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two ranks' accounts the same for the report: what compiled where, and the counts."""
+    return (
+        tuple((c["line"], c["hash"]) for c in account["compilations"]),
+        account["compiles"], account["cached"], account["transfers"], tuple(sorted(account["fallbacks"].items())),
+    )
+
+
+# --- the summary line -----------------------------------------------------------------
+
+
+def summary(record: RunRecord) -> str | None:
+    """The line under the cell, or None when nothing deserves a look."""
+    found = groups(record)
+    if not found:
+        return None
+    cell = record.cell
+    findings: list[str] = []
+    main = max(found, key=lambda group: (group.account["compiles"], len(group.ranks)))
+    account = main.account
+    findings += _recompilations(account)
+    findings += _syncs(account)
+    findings += _fallbacks(account, cell)
+    if account["compile_seconds"] >= LONG_COMPILE and not any(f.startswith(("line", "recompiled")) for f in findings):
+        findings.append(f"compiling took {_seconds(account['compile_seconds'])}")
+    differ = _ranks_differ(found, record)
+    if differ:
+        findings.append(differ)
+    if not findings:
+        return None
+    head = ""
+    if account["compiles"] > 1 and any("compiled" in finding for finding in findings[:1]):
+        head = f"{account['compiles']} compilations ({_seconds(account['compile_seconds'])}) — "
+    return "XLA: " + head + "; ".join(findings)
+
+
+def _where(account: dict[str, Any], compilation: dict[str, Any]) -> str:
+    if compilation["line"] is None:
+        return "outside the cell's code"
+    if compilation["cell"] == account["cell"]:
+        return f"line {compilation['line']}"
+    return f"line {compilation['line']} of {_cell_name(compilation['cell'])}"
+
+
+def _cell_name(filename: str | None) -> str:
+    match = re.match(r"<xla_spawn cell (\d+)>", filename or "")
+    return f"cell {match.group(1)}" if match else (filename or "an earlier cell")
+
+
+def _recompilations(account: dict[str, Any]) -> list[str]:
+    """Lines that compiled again in this cell with other input shapes, or over and over; lines an earlier cell compiled.
+
+    A loop's first two steps often compile two graphs of the same inputs
+    (the first also runs the initialisation that was pending): that alone
+    is not worth a word.
+    """
+    by_line: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for compilation in account["compilations"]:
+        if compilation["line"] is not None:
+            by_line.setdefault((compilation["cell"], compilation["line"]), []).append(compilation)
+    findings = []
+    for compilations in by_line.values():
+        where = _where(account, compilations[0])
+        code = f" ({compilations[0]['code']})" if compilations[0]["code"] else ""
+        pairs = list(zip(compilations, compilations[1:]))
+        reshaped = [(a, b) for a, b in pairs if _sizes_differ(a, b)]
+        if len(compilations) >= 4 or (len(compilations) == 3 and not reshaped):
+            findings.append(f"{where}{code} compiled {len(compilations)} times: the graph changes from step to step "
+                            f"({_why(*(reshaped[-1] if reshaped else pairs[-1]))})")
+        elif reshaped:
+            findings += [f"recompiled at {where}{code}: {_why(a, b)}" for a, b in reshaped]
+    for compilation in account["compilations"]:
+        earlier = compilation.get("earlier")
+        if earlier is not None and len(by_line.get((compilation["cell"], compilation["line"]), ())) < 2:
+            findings.append(
+                f"{_where(account, compilation)} compiled again (the same code compiled in {_cell_name(earlier['cell'])}): "
+                f"this cell's {_why(earlier, compilation, across=True)}"
+            )
+    return findings
+
+
+def _sizes_differ(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    return (before.get("inputs"), before.get("input_bytes")) != (after.get("inputs"), after.get("input_bytes"))
+
+
+def _why(before: dict[str, Any], after: dict[str, Any], across: bool = False) -> str:
+    """What differs between two compilations of the same code."""
+    if before.get("input_bytes") != after.get("input_bytes") and None not in (before.get("input_bytes"), after.get("input_bytes")):
+        change = f"{_bytes(before['input_bytes'])} → {_bytes(after['input_bytes'])} of graph inputs"
+        return f"input shapes differ from the last ({change})" if across else f"input shapes changed, {change}"
+    if before.get("inputs") != after.get("inputs"):
+        return f"graph inputs differ, {before.get('inputs')} → {after.get('inputs')}"
+    return ("graph differs from the last" if across else
+            "the graph changed with inputs of the same size (a Python value baked into the graph?)")
+
+
+def _syncs(account: dict[str, Any]) -> list[str]:
+    lines = [entry for entry in account["sync_lines"] if entry["count"] >= SYNCS_WORTH_A_LOOK]
+    total = account["transfers"]
+    if not lines and total < ALL_SYNCS_WORTH_A_LOOK:
+        return []
+    if lines:
+        places = ", ".join(
+            f"{_where(account, entry)}: {entry['code'] or '…'} ×{entry['count']}" for entry in lines[:2]
+        )
+        return [f"{max(total, sum(e['count'] for e in lines))} device→host syncs ({places})"]
+    return [f"{total} device→host syncs"]
+
+
+def _fallbacks(account: dict[str, Any], cell: str) -> list[str]:
+    findings = []
+    for op, count in sorted(account["fallbacks"].items(), key=lambda item: -item[1]):
+        line = _line_naming(cell, op.partition("::")[2])
+        findings.append(f"CPU fallback {op} ×{count}" + (f" (line {line})" if line else ""))
+    return findings
+
+
+def _line_naming(cell: str, name: str) -> int | None:
+    """The one line of the cell that calls ``name``, if exactly one does."""
+    pattern = re.compile(rf"\b{re.escape(name)}\s*\(")
+    lines = [number for number, text in enumerate(cell.splitlines(), 1) if pattern.search(text)]
+    return lines[0] if len(lines) == 1 else None
+
+
+def _ranks_differ(found: list[Group], record: RunRecord) -> str:
+    """Ranks that compiled other graphs, or another number of them, than the rest (a TPU hangs on that)."""
+    apart = [group for group in found if not group.shared]
+    if len(apart) < 2:
+        return ""
+    graphs = {tuple(c["hash"] for c in group.account["compilations"]) for group in apart}
+    counts = {group.account["compiles"] for group in apart}
+    if len(graphs) < 2 and len(counts) < 2:
+        return ""
+    largest = max(apart, key=lambda group: len(group.ranks))
+    others = [group for group in apart if group is not largest]
+    named = "; ".join(f"rank {_ranks(group.ranks)} compiled {_graphs(group.account['compiles'])}" for group in others)
+    return f"ranks differ: {named}, rank {_ranks(largest.ranks)} {_graphs(largest.account['compiles'])}" + (
+        " (other graphs)" if len(counts) < 2 else "")
+
+
+def _graphs(count: int) -> str:
+    return f"{count} graph{'s' * (count != 1)}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """0-3, 5 for [0, 1, 2, 3, 5]."""
+    parts, start = [], None
+    ordered = sorted(ranks)
+    for i, rank in enumerate(ordered):
+        if start is None:
+            start = rank
+        if i + 1 == len(ordered) or ordered[i + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
+def _bytes(count: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
+
+
+# --- the full report ------------------------------------------------------------------------
+
+COLUMNS = ("ranks", "compiled", "compile time", "cached", "executed", "execute time", "device→host", "CPU fallbacks")
+
+
+def rows(record: RunRecord) -> list[list[str]]:
+    """One row per group of ranks: the counts, as text."""
+    table = []
+    for group in groups(record):
+        account = group.account
+        fallbacks = ", ".join(f"{op} ×{count}" for op, count in account["fallbacks"].items()) or "none"
+        table.append([
+            _ranks(group.ranks) + (" (one process)" if group.shared else ""),
+            str(account["compiles"]), _seconds(account["compile_seconds"]), str(account["cached"]),
+            str(account["executions"]), _seconds(account["execute_seconds"]), str(account["transfers"]), fallbacks,
+        ])
+    return table
+
+
+def compilation_rows(record: RunRecord) -> list[list[str]]:
+    """Each compilation (ranks with the same story once): ranks, where, code, cause, graph, inputs, time."""
+    table = []
+    for group in groups(record):
+        account = group.account
+        for compilation in account["compilations"]:
+            inputs = "" if compilation["inputs"] is None else str(compilation["inputs"])
+            if compilation["input_bytes"] is not None:
+                inputs += f" ({_bytes(compilation['input_bytes'])})"
+            table.append([
+                _ranks(group.ranks), _where(account, compilation), compilation["code"], compilation["cause"],
+                compilation["hash"][:12], inputs,
+                "" if compilation["seconds"] is None else _seconds(compilation["seconds"]),
+            ])
+    return table
+
+
+COMPILATION_COLUMNS = ("ranks", "where", "code", "cause", "graph", "inputs", "time")
+
+
+def report_text(record: RunRecord) -> str:
+    lines = [f"What XLA did in run {record.run_id}:"]
+    table = rows(record)
+    if not table:
+        return _nothing(record)
+    lines += _text_table(COLUMNS, table)
+    compilations = compilation_rows(record)
+    if compilations:
+        lines += ["", "Compilations:"] + _text_table(COMPILATION_COLUMNS, compilations)
+    line = summary(record)
+    if line:
+        lines += ["", line]
+    lines += _notes(record)
+    return "\n".join(lines)
+
+
+def _text_table(columns: tuple[str, ...], table: list[list[str]]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in [list(columns)] + table) for i in range(len(columns))]
+    return ["  " + "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+            for row in [list(columns)] + table]
+
+
+def report_html(record: RunRecord) -> str:
+    table = rows(record)
+    if not table:
+        return f'<div class="xla-report">{html.escape(_nothing(record))}</div>'
+
+    def table_html(columns: tuple[str, ...], body: list[list[str]], kind: str) -> str:
+        head = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
+        cells = "".join(
+            f'<tr class="xla-{kind}">' + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in body
+        )
+        return f"<table><tr>{head}</tr>{cells}</table>"
+
+    parts = [STYLE, '<div class="xla-report">', f"<h4>What XLA did in run {record.run_id}</h4>",
+             table_html(COLUMNS, table, "ranks")]
+    compilations = compilation_rows(record)
+    if compilations:
+        parts += ["<h4>Compilations</h4>", table_html(COMPILATION_COLUMNS, compilations, "compilation")]
+    line = summary(record)
+    if line:
+        parts.append(f'<div class="xla-summary">{html.escape(line)}</div>')
+    parts += [f'<div class="xla-note">{html.escape(note)}</div>' for note in _notes(record)]
+    parts.append("</div>")
+    return "".join(parts)
+
+
+STYLE = """<style>
+.xla-report table { border-collapse: collapse; font-size: var(--jp-code-font-size, 13px); margin-bottom: 6px; }
+.xla-report th { text-align: left; font-weight: 600; padding: 2px 12px 2px 0;
+  border-bottom: 1px solid var(--jp-border-color2, #ccc); }
+.xla-report td { padding: 2px 12px 2px 0; vertical-align: top; font-family: var(--jp-code-font-family, monospace); }
+.xla-report h4 { margin: 6px 0 4px 0; }
+.xla-report .xla-summary { color: #b45309; margin: 4px 0; }
+.xla-report .xla-note { color: var(--jp-ui-font-color2, #666); font-size: 90%; }
+</style>"""
+
+
+def _nothing(record: RunRecord) -> str:
+    if record.xla_report == "off":
+        return f"run {record.run_id} collected no account of what XLA did (--xla-report off)"
+    return f"run {record.run_id}: no rank sent an account of what XLA did (it did not run to its end)"
+
+
+def _notes(record: RunRecord) -> list[str]:
+    notes = []
+    found = groups(record)
+    if any(group.account.get("analysis") == "user" for group in found):
+        notes.append("causes: not known, because PT_XLA_DEBUG_LEVEL / PT_XLA_DEBUG_FILE are set by you "
+                     "(torch_xla's own output goes where you asked)")
+    if any(group.shared for group in found):
+        notes.append("rank threads of one process share torch_xla's counters: their row counts them together")
+    return notes
+
+
+class Report:
+    """The full report, shown as HTML in a notebook and text elsewhere."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+
+    def _repr_html_(self) -> str:
+        return report_html(self.record)
+
+    def __repr__(self) -> str:
+        return report_text(self.record)
+
+
+def after_cell(record: RunRecord) -> None:
+    """Under the cell: the summary line (auto) or the full report (full); nothing when off."""
+    if record.xla_report == "off":
+        return
+    if record.xla_report == "full":
+        if groups(record):
+            from IPython.display import display
+
+            display(Report(record))
+        return
+    line = summary(record)
+    if line:
+        print(line, flush=True)
+
+
+def rank_facts(state: Any) -> str:
+    """A rank's account in a few words, for %xla_status."""
+    account = state.xla
+    if account is None:
+        return ""
+    parts = [f"{account['compiles']} compiled ({_seconds(account['compile_seconds'])})"]
+    if account["transfers"]:
+        parts.append(f"{account['transfers']} syncs")
+    fallbacks = sum(account["fallbacks"].values())
+    if fallbacks:
+        parts.append(f"{fallbacks} fallbacks")
+    return ", ".join(parts)
