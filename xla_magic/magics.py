@@ -168,13 +168,7 @@ class XlaMagics(Magics):
         record = self.session.last_cell
         if record is None:
             raise UsageError("no %%xla_spawn cell has run yet: run one, then %xla_report shows what XLA did in it")
-        report = xla_report.Report(record)
-        if args.text or not in_notebook(self.shell):
-            print(repr(report))
-        else:
-            from IPython.display import display
-
-            display(report)
+        xla_report.show(xla_report.Report(record), text=args.text)
 
     @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")

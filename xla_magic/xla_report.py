@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from xla_magic.display import in_notebook
 from xla_magic.record import RunRecord
 
 MODES = ("auto", "full", "off")
@@ -130,7 +131,7 @@ def _recompilations(account: dict[str, Any]) -> list[str]:
         earlier = compilation.get("earlier")
         if earlier is not None and len(by_line.get((compilation["cell"], compilation["line"]), ())) < 2:
             findings.append(
-                f"{_where(account, compilation)} compiled again (the same code compiled in {_cell_name(earlier['cell'])}): "
+                f"{_where(account, compilation)} compiled again (the same code compiled in run {earlier['run']}): "
                 f"this cell's {_why(earlier, compilation, across=True)}"
             )
     return findings
@@ -351,15 +352,25 @@ class Report:
         return report_text(self.record)
 
 
+def show(report: Report, text: bool = False) -> None:
+    """The report as a table in a notebook, as text in a terminal (or with ``text``)."""
+    from IPython import get_ipython
+
+    if text or not in_notebook(get_ipython()):
+        print(repr(report), flush=True)
+    else:
+        from IPython.display import display
+
+        display(report)
+
+
 def after_cell(record: RunRecord) -> None:
     """Under the cell: the summary line (auto) or the full report (full); nothing when off."""
     if record.xla_report == "off":
         return
     if record.xla_report == "full":
         if groups(record):
-            from IPython.display import display
-
-            display(Report(record))
+            show(Report(record))
         return
     line = summary(record)
     if line:

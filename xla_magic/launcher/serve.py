@@ -285,7 +285,7 @@ class RankServer:
             yield
             return
         accountant = xla_account.accountant()
-        accountant.begin(self.rank, self._filename)
+        accountant.begin(self.rank, self._filename, fields.get("run_id"))
         try:
             yield
         finally:

@@ -12,8 +12,10 @@ first compiles (torch_xla reads the variables once); a user who set the
 variables keeps torch_xla's own output and the account has no causes.
 
 Costs: a cell that does no XLA work pays two reads of the counters (a few
-microseconds); the analysis is written only when XLA compiles, which takes
-far longer itself. ``.item()`` and ``.tolist()`` of XLA tensors note the
+microseconds); one that did waits at its end for the device work it
+started (``torch_xla.sync()`` returns before its graph ran), so that work
+counts in its own cell. The analysis is written only when XLA compiles,
+which takes far longer itself. ``.item()`` and ``.tolist()`` of XLA tensors note the
 cell line they were called from, so syncs have a line.
 
 Ranks that are threads of one process (the tpu launch path on CPU, v2/v3
@@ -267,6 +269,7 @@ class Span:
         self.seen = seen
         self.cells = cells
         self.ranks: list[int] = []
+        self.run: Any = None  # the kernel's run id of the cell
         self.active = 0
         self.cache: tuple[dict[str, int], int] | None = None
         self.sync_lines: dict[tuple[str, int], int] = {}
@@ -275,8 +278,12 @@ class Span:
     def account(self, filename: str) -> dict[str, Any]:
         """The span's account, as plain data for the kernel (protocol.XLA)."""
         counters = read_counters()
-        own = _own_counts()
         before = self.start.counters
+        if counters != before:
+            # torch_xla.sync() runs the graph in the background: let what the cell started finish and count.
+            _xlac()._xla_wait_device_ops(devices=[])
+            counters = read_counters()
+        own = _own_counts()
 
         def grown(name: str) -> int:
             added_by_us = own.get(name, 0) - self.start.own.get(name, 0)
@@ -339,12 +346,13 @@ class Span:
             }
             if code:
                 earlier = self.seen.get(code)
-                if earlier is not None and earlier["cell"] != where[0]:
+                if earlier is not None and earlier["run"] != self.run:
                     entry["earlier"] = earlier
             compilations.append(entry)
         for entry in compilations:
             if entry["code"]:
-                self.seen[entry["code"]] = {key: entry[key] for key in ("cell", "line", "hash", "inputs", "input_bytes")}
+                self.seen[entry["code"]] = {"run": self.run, **{key: entry[key] for key in
+                                                                 ("cell", "line", "hash", "inputs", "input_bytes")}}
         return compilations
 
 
@@ -381,7 +389,7 @@ class Accountant:
         self.cache: tuple[dict[str, int], int] | None = None
         _hook_syncs()
 
-    def begin(self, rank: int, filename: str) -> None:
+    def begin(self, rank: int, filename: str, run: Any = None) -> None:
         global _current
         with self.lock:
             self.cells.add(filename)
@@ -389,6 +397,7 @@ class Accountant:
                 read_analysis(self.analysis)  # what compiled between cells is no cell's
                 self.span = Span(self.analysis, self.seen, self.cells)
                 self.span.start.take(self.cache)
+                self.span.run = run
                 _current = self.span
             self.span.ranks.append(rank)
             self.span.active += 1
