@@ -51,6 +51,7 @@ DONE = "done"
 # waits for SHOWN, so what it prints next comes after the picture
 DISPLAY = "display"
 # rank -> kernel, with a cell's reply: what XLA did during the cell (launcher/xla_account.py)
+# (none from a rank in which XLA did nothing during the cell)
 XLA = "xla"
 # made up by a reader, never sent
 BROKEN = "broken"

@@ -33,12 +33,27 @@ class Group:
     shared: bool  # one account of a process that several rank threads share
 
 
+# What a rank that finished its cell without sending an account did on XLA: nothing (xla_account.py).
+IDLE: dict[str, Any] = {
+    "ranks": [], "cell": None, "analysis": "ours", "compiles": 0, "compile_seconds": 0.0, "cached": 0,
+    "executions": 0, "execute_seconds": 0.0, "transfers": 0, "scalar_reads": 0, "fallbacks": {},
+    "compilations": [], "sync_lines": [],
+}
+
+
+def account_of(record: RunRecord, state: Any) -> dict[str, Any] | None:
+    """A rank's account: the one it sent, IDLE if it finished without one, None if it did not finish."""
+    if state.xla is not None:
+        return state.xla
+    return IDLE if state.state == "done" and record.xla_report != "off" else None
+
+
 def groups(record: RunRecord) -> list[Group]:
     """The record's accounts, ranks with the same story together, by first rank."""
     found: dict[int, Group] = {}
     by_story: dict[tuple[Any, ...], Group] = {}
     for rank, state in sorted(record.ranks.items()):
-        account = state.xla
+        account = account_of(record, state)
         if account is None or id(account) in found:
             if account is not None and rank not in found[id(account)].ranks:
                 found[id(account)].ranks.append(rank)
@@ -69,9 +84,9 @@ def _story(account: dict[str, Any]) -> tuple[Any, ...]:
 
 def summary(record: RunRecord) -> str | None:
     """The line under the cell, or None when nothing deserves a look."""
+    if all(state.xla is None for state in record.ranks.values()):
+        return None  # the common case, first: nothing happened
     found = groups(record)
-    if not found:
-        return None
     cell = record.cell
     findings: list[str] = []
     main = max(found, key=lambda group: (group.account["compiles"], len(group.ranks)))
@@ -381,7 +396,7 @@ def rank_facts(state: Any) -> str:
     """A rank's account in a few words, for %xla_status."""
     account = state.xla
     if account is None:
-        return ""
+        return "idle" if state.state == "done" else ""
     parts = [f"{account['compiles']} compiled ({_seconds(account['compile_seconds'])})"]
     if account["transfers"]:
         parts.append(f"{account['transfers']} syncs")

@@ -164,9 +164,22 @@ def _xlac() -> Any:
     return torch_xla._XLAC
 
 
+# Read at every cell's start and end: one of them moves whenever XLA compiled, ran a
+# graph or copied to the CPU (every fallback does). Only then is the rest read.
+ACTIVITY = ("UncachedCompile", "CachedCompile", "ExecuteComputation", "ExecuteReplicated",
+            "xla::_to_copy", "xla::_to_cpu")
+
+
+def read_activity() -> tuple[int, ...]:
+    value = _xlac()._xla_counter_value
+    return tuple(value(name) or 0 for name in ACTIVITY)
+
+
 def read_counters() -> dict[str, int]:
+    """ACTIVITY's counters and every aten:: one (CPU fallbacks), by name."""
     xlac = _xlac()
-    return {name: xlac._xla_counter_value(name) or 0 for name in xlac._xla_counter_names()}
+    return {name: xlac._xla_counter_value(name) or 0 for name in xlac._xla_counter_names()
+            if name in ACTIVITY or name.startswith("aten::")}
 
 
 def _own_counts() -> dict[str, int]:
@@ -198,23 +211,21 @@ def _transfers_total() -> int:
     return int(data[0]) if data else 0
 
 
-class _Baseline:
-    """The counters at a span's start, and the transfer total, read only when the counters moved."""
+class Reading:
+    """The counters at one moment."""
 
-    def __init__(self) -> None:
-        self.counters: dict[str, int] = {}
-        self.own: dict[str, int] = {}
-        self.wall = 0.0
-        self.transfers = 0
-
-    def take(self, cached: tuple[dict[str, int], int] | None) -> None:
+    def __init__(self, activity: tuple[int, ...]) -> None:
         self.wall = time.time()
-        self.counters = read_counters()
+        self.activity = activity
         self.own = _own_counts()
-        if cached is not None and cached[0] == self.counters:
-            self.transfers = cached[1]  # nothing ran since it was read
-        else:
-            self.transfers = _transfers_total()
+        self.counters = read_counters()
+        self.transfers = _transfers_total()
+
+    @classmethod
+    def now(cls, last: "Reading | None") -> "Reading":
+        """The counters now: ``last`` itself while none of ACTIVITY moved since (nothing ran, so nothing else did)."""
+        activity = read_activity()
+        return last if last is not None and last.activity == activity else cls(activity)
 
 
 # --- syncs at cell lines ------------------------------------------------------------------
@@ -264,68 +275,69 @@ def _hook_syncs() -> None:
 
 
 class Span:
-    def __init__(self, analysis: str | None, seen: dict[str, dict[str, Any]], cells: set[str]) -> None:
+    def __init__(self, analysis: str | None, seen: dict[str, dict[str, Any]], cells: set[str],
+                 last: Reading | None) -> None:
         self.analysis = analysis
         self.seen = seen
         self.cells = cells
         self.ranks: list[int] = []
         self.run: Any = None  # the kernel's run id of the cell
         self.active = 0
-        self.cache: tuple[dict[str, int], int] | None = None
         self.sync_lines: dict[tuple[str, int], int] = {}
-        self.start = _Baseline()
+        self.start = Reading.now(last)
+        self.end: Reading | None = None
 
-    def account(self, filename: str) -> dict[str, Any]:
-        """The span's account, as plain data for the kernel (protocol.XLA)."""
-        counters = read_counters()
-        before = self.start.counters
-        if counters != before:
-            # torch_xla.sync() runs the graph in the background: let what the cell started finish and count.
-            _xlac()._xla_wait_device_ops(devices=[])
-            counters = read_counters()
-        own = _own_counts()
+    def account(self, filename: str) -> dict[str, Any] | None:
+        """The span's account, as plain data for the kernel (protocol.XLA); None when XLA did nothing.
+
+        A rank that sends none for a cell it finished did nothing on XLA in
+        it: the common case costs the kernel nothing at all.
+        """
+        start = self.start
+        if read_activity() == start.activity and not self.sync_lines:
+            self.end = start
+            return None
+        # torch_xla.sync() runs the graph in the background: let what the cell started finish and count.
+        _xlac()._xla_wait_device_ops(devices=[])
+        end = self.end = Reading(read_activity())
 
         def grown(name: str) -> int:
-            added_by_us = own.get(name, 0) - self.start.own.get(name, 0)
-            return max(0, counters.get(name, 0) - before.get(name, 0) - added_by_us)
+            added_by_us = end.own.get(name, 0) - start.own.get(name, 0)
+            return max(0, end.counters.get(name, 0) - start.counters.get(name, 0) - added_by_us)
 
-        moved = counters != before
-        transfers = _transfers_total() if moved else self.start.transfers
-        own_transfers = own.get(TRANSFERS, 0) - self.start.own.get(TRANSFERS, 0)
         compiles = grown("UncachedCompile")
         executions = grown("ExecuteComputation") + grown("ExecuteReplicated")
-        compile_seconds = _metric_since(COMPILE_TIME, self.start.wall, compiles)[1] if compiles else 0.0
+        compile_seconds = _metric_since(COMPILE_TIME, start.wall, compiles)[1] if compiles else 0.0
         execute_seconds = 0.0
         if executions:
             for name in EXECUTE_TIMES:
-                execute_seconds += _metric_since(name, self.start.wall, 0)[1]
-        fallbacks = {
-            name: grown(name) for name in counters
-            if name.startswith("aten::") and name != SCALAR_READ and grown(name)
-        }
-        compilations = self._compilations(read_analysis(self.analysis) if compiles else "")
-        self.cache = (counters, transfers)
+                execute_seconds += _metric_since(name, start.wall, 0)[1]
+        own_transfers = end.own.get(TRANSFERS, 0) - start.own.get(TRANSFERS, 0)
         return {
             "ranks": sorted(self.ranks),
             "cell": filename,
+            "analysis": "ours" if self.analysis is not None else "user",
             "compiles": compiles,
             "compile_seconds": compile_seconds,
             "cached": grown("CachedCompile"),
             "executions": executions,
             "execute_seconds": execute_seconds,
-            "transfers": max(0, transfers - self.start.transfers - own_transfers),
+            "transfers": max(0, end.transfers - start.transfers - own_transfers),
             "scalar_reads": grown(SCALAR_READ),
-            "fallbacks": fallbacks,
-            "compilations": compilations,
+            "fallbacks": {
+                name: grown(name) for name in end.counters
+                if name.startswith("aten::") and name != SCALAR_READ and grown(name)
+            },
+            "compilations": self._compilations(read_analysis(self.analysis), compiles) if compiles else [],
             "sync_lines": [
                 {"cell": file, "line": line, "code": _code(file, line), "count": count}
                 for (file, line), count in sorted(self.sync_lines.items(), key=lambda item: -item[1])
             ],
-            "analysis": "ours" if self.analysis is not None else "user",
         }
 
-    def _compilations(self, text: str) -> list[dict[str, Any]]:
-        blocks = parse_analysis(text)
+    def _compilations(self, text: str, compiles: int) -> list[dict[str, Any]]:
+        # The file may also hold what compiled between cells (a result moved to the CPU): the cell's are the last.
+        blocks = parse_analysis(text)[-compiles:]
         seconds = _compile_samples(self.start.wall)
         if len(seconds) != len(blocks):
             seconds = [None] * len(blocks)
@@ -386,7 +398,7 @@ class Accountant:
         self.seen: dict[str, dict[str, Any]] = {}  # a line's code -> its last compilation, across cells
         self.cells: set[str] = set()  # every cell this process ran: functions they defined still run
         self.span: Span | None = None
-        self.cache: tuple[dict[str, int], int] | None = None
+        self.last: Reading | None = None  # the counters at the last span's end
         _hook_syncs()
 
     def begin(self, rank: int, filename: str, run: Any = None) -> None:
@@ -394,16 +406,14 @@ class Accountant:
         with self.lock:
             self.cells.add(filename)
             if self.span is None:
-                read_analysis(self.analysis)  # what compiled between cells is no cell's
-                self.span = Span(self.analysis, self.seen, self.cells)
-                self.span.start.take(self.cache)
+                self.span = Span(self.analysis, self.seen, self.cells, self.last)
                 self.span.run = run
                 _current = self.span
             self.span.ranks.append(rank)
             self.span.active += 1
 
     def end(self, filename: str) -> dict[str, Any] | None:
-        """The account, for the last rank thread to leave the span; None for the others."""
+        """The account, for the last rank thread to leave the span; None for the others, and when XLA did nothing."""
         global _current
         with self.lock:
             span = self.span
@@ -414,7 +424,7 @@ class Accountant:
                 return None
             self.span = _current = None
             account = span.account(filename)
-            self.cache = span.cache
+            self.last = span.end
             return account
 
 
