@@ -212,3 +212,33 @@ def test_a_user_who_sets_the_debug_level_gets_torch_xla_s_own_output(ip, spawn, 
     got = account(ip)
     assert got["analysis"] == "user" and got["compiles"] == run.value[0]["compiles"] == 3
     assert got["compilations"] == []  # its blocks went where the user asked, not to us
+
+
+def test_the_status_panel_shows_each_rank_s_account_and_the_runs_summary(ip, spawn):
+    from test_widget import history_rows, rank_rows
+
+    from xla_magic import widget
+
+    spawn("--devices 2 --backend cpu", RAGGED)
+    panel = widget.status_panel(ip._xla_magic_session)
+    for row in rank_rows(panel):
+        assert re.fullmatch(r"3 compiled \(\S+ s\)", row["cells"][6]), row
+    assert f"recompiled at line {RAGGED_SYNC_LINE}" in history_rows(panel)[0]["cells"][5]
+    with capture_output() as shown:
+        ip.run_line_magic("xla_status", "--text")
+    assert re.search(r"\n\s+0\s+done .* 3 compiled \(", shown.stdout), shown.stdout
+    assert f"XLA: 3 compilations" in shown.stdout
+
+
+def test_a_sync_under_torch_compile_still_compiles_as_without_xla_magic(ip, spawn):
+    cell = """
+import torch, torch_xla, warnings
+def read(x):
+    return (x * 2).sum().item()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    value = torch.compile(read, backend="openxla")(torch.ones(3, device=device))
+(value, [str(w.message)[:80] for w in caught if "does not know how to trace" in str(w.message)])
+"""
+    run = spawn("--devices 1 --backend cpu", cell)
+    assert run.value == [(6.0, [])]

@@ -248,18 +248,26 @@ def _note_sync(depth: int = 2) -> None:
         frame = frame.f_back
 
 
-def _noting(method: Any) -> Any:
-    def noted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        # Code that dynamo compiles sees only the original (is_compiling is a constant there).
-        if _current is not None and not torch.compiler.is_compiling() and self.device.type == "xla":
-            _note_sync()
-        return method(self, *args, **kwargs)
-
-    noted.__name__, noted.__qualname__, noted.__doc__ = method.__name__, method.__qualname__, method.__doc__
-    noted.__wrapped__ = method  # type: ignore[attr-defined]
-    return noted
+def _item(self: torch.Tensor) -> Any:
+    # Code that dynamo compiles takes the first branch (is_compiling is a constant there), which
+    # it knows as Tensor.item itself.
+    if torch.compiler.is_compiling():
+        return super(torch.Tensor, self).item()
+    if _current is not None and self.device.type == "xla":
+        _note_sync()
+    return _TensorBase_item(self)
 
 
+def _tolist(self: torch.Tensor) -> Any:
+    if torch.compiler.is_compiling():
+        return super(torch.Tensor, self).tolist()
+    if _current is not None and self.device.type == "xla":
+        _note_sync()
+    return _TensorBase_tolist(self)
+
+
+_TensorBase_item = torch._C.TensorBase.item
+_TensorBase_tolist = torch._C.TensorBase.tolist
 _hooked = False
 
 
@@ -267,8 +275,13 @@ def _hook_syncs() -> None:
     global _hooked
     if not _hooked:
         _hooked = True
-        for name in ("item", "tolist"):
-            setattr(torch.Tensor, name, _noting(getattr(torch.Tensor, name)))
+        for name, hook in (("item", _item), ("tolist", _tolist)):
+            original = getattr(torch.Tensor, name)
+            if original is not getattr(torch._C.TensorBase, name):
+                continue  # someone else's: leave it alone
+            hook.__name__ = hook.__qualname__ = name
+            hook.__doc__ = original.__doc__
+            setattr(torch.Tensor, name, hook)
 
 
 # --- one span: what XLA did while rank threads of this process were in a cell ---------------
