@@ -177,9 +177,10 @@ class XlaMagics(Magics):
         """Show devices, the kernel's XLA state, the launcher, the pool and the ranks.
 
         In a notebook this is a live ipywidgets panel: the ranks of the running
-        (or last) cell with their state, elapsed time, lines, last line and
-        device memory, the recent runs, and buttons to interrupt the run and
-        stop the pool. Elsewhere it prints the same facts as text.
+        (or last) cell with their state, elapsed time, lines, last line,
+        device memory and what XLA did in them (once the cell ended), the
+        recent runs with their XLA summary, and buttons to interrupt the run
+        and stop the pool. Elsewhere it prints the same facts as text.
         """
         args = parse_argstring(self.xla_status, line)
         widget.show_status(self.session, self.shell, text=args.text)

@@ -174,7 +174,7 @@ def _syncs(account: dict[str, Any]) -> list[str]:
         return []
     if lines:
         places = ", ".join(
-            f"{_where(account, entry)}: {entry['code'] or '…'} ×{entry['count']}" for entry in lines[:2]
+            f"{_where(account, entry)}: {_short(entry['code']) or '…'} ×{entry['count']}" for entry in lines[:2]
         )
         return [f"{max(total, sum(e['count'] for e in lines))} device→host syncs ({places})"]
     return [f"{total} device→host syncs"]
@@ -228,6 +228,10 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
+def _short(code: str, limit: int = 48) -> str:
+    return code if len(code) <= limit else code[: limit - 1] + "…"
+
+
 def _seconds(seconds: float) -> str:
     return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
 
@@ -269,7 +273,7 @@ def compilation_rows(record: RunRecord) -> list[list[str]]:
             if compilation["input_bytes"] is not None:
                 inputs += f" ({_bytes(compilation['input_bytes'])})"
             table.append([
-                _ranks(group.ranks), _where(account, compilation), compilation["code"], compilation["cause"],
+                _ranks(group.ranks), _where(account, compilation), _short(compilation["code"]), compilation["cause"],
                 compilation["hash"][:12], inputs,
                 "" if compilation["seconds"] is None else _seconds(compilation["seconds"]),
             ])

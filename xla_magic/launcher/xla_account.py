@@ -397,9 +397,18 @@ def _cause(block: dict[str, Any]) -> str:
 
 
 def _code(filename: str, line: int) -> str:
+    """The cell's line, without its comment."""
+    import io
     import linecache
+    import tokenize
 
-    return linecache.getline(filename, line).strip()
+    text = linecache.getline(filename, line).strip()
+    try:
+        comments = [token for token in tokenize.generate_tokens(io.StringIO(text).readline)
+                    if token.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):  # a line that only parses with its neighbours
+        return text
+    return text[: comments[0].start[1]].rstrip() if comments else text
 
 
 class Accountant:
