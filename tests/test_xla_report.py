@@ -153,7 +153,11 @@ def test_ranks_that_compile_different_graphs_are_named(ip, spawn):
     run = spawn("--devices 3 --backend cpu", DIFFERENT_GRAPHS)
     assert [account(ip, r)["compiles"] for r in range(3)] == [own["compiles"] for own in run.value] == [1, 2, 1]
     [summary] = xla_lines(run.stdout)
-    assert "ranks differ: rank 1 compiled 2 graphs, rank 0, 2 1 graph" in summary
+    assert "ranks differ: rank 1 compiled 2 graphs, ranks 0, 2 1 graph" in summary
+    run = spawn("--devices 3 --backend cpu", "import torch, torch_xla\nx = torch.ones(4, device=device) * rank\n"
+                "torch_xla.sync()\nx = torch.ones(1024 * (1 + (rank == 2))).to(device).sum()\ntorch_xla.sync()")
+    [summary] = xla_lines(run.stdout)  # a constant that differs is harmless; a shape is not
+    assert "ranks differ: rank 2 compiled 2 graphs with inputs of other sizes, ranks 0-1 2 graphs" in summary
 
 
 def test_off_shows_nothing_and_collects_nothing(ip, spawn):

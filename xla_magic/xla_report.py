@@ -196,19 +196,34 @@ def _line_naming(cell: str, name: str) -> int | None:
 
 
 def _ranks_differ(found: list[Group], record: RunRecord) -> str:
-    """Ranks that compiled other graphs, or another number of them, than the rest (a TPU hangs on that)."""
+    """Ranks that compiled another number of graphs than the rest, or graphs of other input sizes.
+
+    A TPU hangs when ranks run different programs around a collective.
+    Graphs that differ only in a constant (``x * rank``: torch_xla bakes 0
+    and 1 into the graph) are not named: they are harmless and common.
+    """
     apart = [group for group in found if not group.shared]
     if len(apart) < 2:
         return ""
-    graphs = {tuple(c["hash"] for c in group.account["compilations"]) for group in apart}
     counts = {group.account["compiles"] for group in apart}
-    if len(graphs) < 2 and len(counts) < 2:
+    sizes = {tuple(c["input_bytes"] for c in group.account["compilations"]) for group in apart}
+    if len(counts) < 2 and len(sizes) < 2:
         return ""
-    largest = max(apart, key=lambda group: len(group.ranks))
-    others = [group for group in apart if group is not largest]
-    named = "; ".join(f"rank {_ranks(group.ranks)} compiled {_graphs(group.account['compiles'])}" for group in others)
-    return f"ranks differ: {named}, rank {_ranks(largest.ranks)} {_graphs(largest.account['compiles'])}" + (
-        " (other graphs)" if len(counts) < 2 else "")
+    # Ranks that did the same, for this purpose, together; the largest such set is "the rest".
+    alike: dict[tuple[Any, ...], list[int]] = {}
+    for group in apart:
+        key = (group.account["compiles"], tuple(c["input_bytes"] for c in group.account["compilations"]))
+        alike.setdefault(key, []).extend(group.ranks)
+    rest_key = max(alike, key=lambda key: len(alike[key]))
+    named = "; ".join(
+        f"{_who(ranks)} compiled {_graphs(key[0])}" + (" with inputs of other sizes" if key[0] == rest_key[0] else "")
+        for key, ranks in alike.items() if key != rest_key
+    )
+    return f"ranks differ: {named}, {_who(alike[rest_key])} {_graphs(rest_key[0])}"
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {_ranks(ranks)}"
 
 
 def _graphs(count: int) -> str:
