@@ -330,7 +330,7 @@ def report_html(record: RunRecord) -> str:
         cells = "".join(
             f'<tr class="xla-{kind}">' + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in body
         )
-        return f"<table><tr>{head}</tr>{cells}</table>"
+        return f'<table class="xla-{kind}s"><tr>{head}</tr>{cells}</table>'
 
     parts = [STYLE, '<div class="xla-report">', f"<h4>What XLA did in run {record.run_id}</h4>",
              table_html(COLUMNS, table, "ranks")]
@@ -347,9 +347,12 @@ def report_html(record: RunRecord) -> str:
 
 STYLE = """<style>
 .xla-report table { border-collapse: collapse; font-size: var(--jp-code-font-size, 13px); margin-bottom: 6px; }
-.xla-report th { text-align: left; font-weight: 600; padding: 2px 12px 2px 0;
+.xla-report table th { text-align: left !important; font-weight: 600; padding: 2px 12px 2px 0; white-space: nowrap;
   border-bottom: 1px solid var(--jp-border-color2, #ccc); }
-.xla-report td { padding: 2px 12px 2px 0; vertical-align: top; font-family: var(--jp-code-font-family, monospace); }
+.xla-report table td { text-align: left !important; padding: 2px 12px 2px 0; vertical-align: top; white-space: nowrap;
+  font-family: var(--jp-code-font-family, monospace); }
+.xla-report table.xla-compilations td:nth-child(3), .xla-report table.xla-compilations td:nth-child(4) {
+  white-space: normal; min-width: 12em; max-width: 22em; }
 .xla-report h4 { margin: 6px 0 4px 0; }
 .xla-report .xla-summary { color: #b45309; margin: 4px 0; }
 .xla-report .xla-note { color: var(--jp-ui-font-color2, #666); font-size: 90%; }
