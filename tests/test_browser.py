@@ -143,7 +143,7 @@ CELLS = [
     "%xla_status",
     # What XLA did: the classic slow loop (a short last batch, .item() every step, a CPU fallback).
     "%%xla_spawn --devices 2\nimport torch, torch_xla\nmodel = torch.nn.Linear(64, 10).to(device)\n"
-    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\ndata = torch.randn(200, 64)\nlosses = []\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\ndata = torch.randn(1000, 64)\nlosses = []\n"
     "for start in range(0, len(data), 64):\n    x = data[start:start + 64].to(device)\n"
     "    loss = model(x).pow(2).mean()\n    loss.backward()\n    optimizer.step()\n    optimizer.zero_grad()\n"
     "    torch_xla.sync()\n    losses.append(loss.item())\npositive = torch.nonzero(model.weight > 0)",
@@ -409,7 +409,7 @@ def check_xla_report(page) -> None:
     summary = cell(page, 6).locator(FRONT_END.output)
     summary.get_by_text("recompiled at line 12 (torch_xla.sync()): input shapes changed").wait_for()
     text = summary.inner_text()
-    assert "device→host syncs (line 13: losses.append(loss.item()) ×4)" in text, text
+    assert "17 device→host syncs (line 13: losses.append(loss.item()) ×16)" in text, text
     assert "CPU fallback aten::nonzero ×1 (line 14)" in text, text
     run_and_wait(page, 7)
     table = cell(page, 7).locator(f"{FRONT_END.output} .xla-report")

@@ -69,7 +69,7 @@ before = own()
 w = torch.randn(8, 8, device=device)
 torch_xla.sync()
 total = 0.0
-for step in range(6):
+for step in range(12):
     loss = (w * step).sum()
     total += loss.item()
 since(before)
@@ -99,10 +99,10 @@ def test_item_every_step_is_syncs_at_their_line_and_nonzero_a_fallback(ip, pool,
     item_line = line_of(ITEM_EVERY_STEP, "loss.item()")
     for rank, own in enumerate(run.value):
         got = account(ip, rank)
-        assert got["transfers"] == own["transfers"] == 6
-        assert [(s["line"], s["count"]) for s in got["sync_lines"]] == [(item_line, 6)]
+        assert got["transfers"] == own["transfers"] == 12
+        assert [(s["line"], s["count"]) for s in got["sync_lines"]] == [(item_line, 12)]
     [summary] = xla_lines(run.stdout)
-    assert f"6 device→host syncs (line {item_line}: total += loss.item() ×6)" in summary
+    assert f"12 device→host syncs (line {item_line}: total += loss.item() ×12)" in summary
 
     run = spawn("", NONZERO)
     for rank, own in enumerate(run.value):
@@ -246,3 +246,29 @@ with warnings.catch_warnings(record=True) as caught:
 """
     run = spawn("--devices 1 --backend cpu", cell)
     assert run.value == [(6.0, [])]
+
+
+SLOW_LOOP_UNTIL_INTERRUPTED = """
+import torch, torch_xla
+for n in range(100, 104):  # the shape changes every step
+    x = torch.ones(n, 64).to(device)
+    y = (x * 2).sum()
+    torch_xla.sync()
+open(f'{marks}/{rank}', 'w').close()
+while True:
+    spin = 1
+"""
+
+
+def test_an_interrupted_slow_loop_still_says_what_xla_did(ip, pool, spawn):
+    from test_pool import interrupt_once_running
+
+    from xla_magic.display import RunInterrupted
+
+    ip.user_ns["marks"] = interrupt_once_running(2)
+    with capture_output() as shown, pytest.raises(RunInterrupted):
+        ip.run_cell_magic("xla_spawn", "", SLOW_LOOP_UNTIL_INTERRUPTED)
+    [summary] = xla_lines(shown.stdout)
+    line = line_of(SLOW_LOOP_UNTIL_INTERRUPTED, "torch_xla.sync()")
+    assert f"4 compilations" in summary and f"line {line} (torch_xla.sync()) compiled 4 times" in summary, summary
+    assert [account(ip, r)["compiles"] for r in (0, 1)] == [4, 4]

@@ -19,8 +19,9 @@ from xla_magic.display import in_notebook
 from xla_magic.record import RunRecord
 
 MODES = ("auto", "full", "off")
-SYNCS_WORTH_A_LOOK = 3  # syncs from one line (a loop), or ...
-ALL_SYNCS_WORTH_A_LOOK = 10  # ... in all, before the summary names them
+# Syncs from one line (a loop: a few, printing a short run's loss, are fine), or ...
+SYNCS_WORTH_A_LOOK = 10
+ALL_SYNCS_WORTH_A_LOOK = 20  # ... in all, before the summary names them
 LONG_COMPILE = 10.0  # seconds of compiling that are worth a word on their own
 
 
@@ -402,16 +403,20 @@ def show(report: Report, text: bool = False) -> None:
 
 
 def after_cell(record: RunRecord) -> None:
-    """Under the cell: the summary line (auto) or the full report (full); nothing when off."""
-    if record.xla_report == "off":
-        return
-    if record.xla_report == "full":
-        if groups(record):
-            show(Report(record))
-        return
-    line = summary(record)
-    if line:
-        print(line, flush=True)
+    """Under the cell, however it ended: the summary line (auto) or the full report (full); nothing when off.
+
+    A fault here must never cost the cell its own result or error: it is said in one line instead.
+    """
+    try:
+        if record.xla_report == "full":
+            if groups(record):
+                show(Report(record))
+        elif record.xla_report == "auto":
+            line = summary(record)
+            if line:
+                print(line, flush=True)
+    except Exception as exc:  # a malformed account, a display that fails
+        print(f"(xla_magic could not tell what XLA did: {type(exc).__name__}: {exc})", flush=True)
 
 
 def rank_facts(state: Any) -> str:

@@ -189,21 +189,21 @@ def _own_counts() -> dict[str, int]:
     return dict(active.own_counts) if active is not None else {}
 
 
-def _metric_since(name: str, since: float, count: int) -> tuple[int, float]:
-    """(samples, seconds) of metric ``name`` posted since ``since`` (wall-clock seconds).
+def _seconds_since(names: tuple[str, ...], since: float, count: int) -> float:
+    """The seconds that ``count`` samples of the timing metrics ``names`` posted since ``since`` (wall clock) add up to.
 
-    torch_xla keeps the latest samples of a metric with their times; when
-    more than it keeps came in, the total is scaled from those kept.
+    torch_xla keeps only the latest samples of a metric (with their times);
+    when more than it keeps came in, the total is scaled from those kept.
     """
-    data = _xlac()._xla_metric_data(name)
-    if not data:
-        return 0, 0.0
-    _total, _accumulator, samples = data
-    recent = [value for stamp, value in samples if stamp >= since]
+    recent: list[float] = []
+    for name in names:
+        data = _xlac()._xla_metric_data(name)
+        if data:
+            recent += [value for stamp, value in data[2] if stamp >= since]
     seconds = sum(recent) / 1e9
     if count > len(recent) and recent:
         seconds *= count / len(recent)
-    return max(count, len(recent)), seconds
+    return seconds
 
 
 def _transfers_total() -> int:
@@ -320,11 +320,8 @@ class Span:
 
         compiles = grown("UncachedCompile")
         executions = grown("ExecuteComputation") + grown("ExecuteReplicated")
-        compile_seconds = _metric_since(COMPILE_TIME, start.wall, compiles)[1] if compiles else 0.0
-        execute_seconds = 0.0
-        if executions:
-            for name in EXECUTE_TIMES:
-                execute_seconds += _metric_since(name, start.wall, 0)[1]
+        compile_seconds = _seconds_since((COMPILE_TIME,), start.wall, compiles) if compiles else 0.0
+        execute_seconds = _seconds_since(EXECUTE_TIMES, start.wall, executions) if executions else 0.0
         own_transfers = end.own.get(TRANSFERS, 0) - start.own.get(TRANSFERS, 0)
         return {
             "ranks": sorted(self.ranks),
