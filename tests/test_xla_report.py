@@ -272,3 +272,16 @@ def test_an_interrupted_slow_loop_still_says_what_xla_did(ip, pool, spawn):
     line = line_of(SLOW_LOOP_UNTIL_INTERRUPTED, "torch_xla.sync()")
     assert f"4 compilations" in summary and f"line {line} (torch_xla.sync()) compiled 4 times" in summary, summary
     assert [account(ip, r)["compiles"] for r in (0, 1)] == [4, 4]
+
+
+def test_the_readmes_slow_loop_shows_what_the_readme_says(ip, spawn):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## What XLA did", 1)[1].split("\n## ", 1)[0]
+    code, shown = re.findall(r"```(?:python|text)\n(.*?)```", section, re.S)[:2]
+    line, cell = code.split("\n", 1)
+    assert line == "%%xla_spawn --devices 8"
+    run = spawn("--devices 2", cell)  # the same line on fewer ranks (only the table names them)
+    seconds = re.compile(r"\d+(\.\d+)? s\b")
+    assert [seconds.sub("T s", text) for text in xla_lines(run.stdout)] == [seconds.sub("T s", shown.strip())]

@@ -282,6 +282,7 @@ class RankServer:
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
         """What XLA did during the cell, unless the kernel asked for no report (see xla_account.py)."""
         if not fields.get("xla_report", True):
+            xla_account.forget_analysis()
             yield
             return
         accountant = xla_account.accountant()

@@ -97,6 +97,19 @@ def release_analysis() -> None:
             _analysis_file = None
 
 
+ANALYSIS_KEPT = 1 << 20  # bytes of analysis kept while no account reads it (--xla-report off)
+
+
+def forget_analysis() -> None:
+    """Keep the analysis file small while cells ask for no account: what compiled then is nobody's."""
+    path = _analysis_file
+    try:
+        if path is not None and os.stat(path).st_size > ANALYSIS_KEPT:
+            os.truncate(path, 0)
+    except OSError:
+        pass
+
+
 def read_analysis(path: str | None) -> str:
     """What the analysis wrote since the last read; the file is emptied for the next."""
     if path is None:
