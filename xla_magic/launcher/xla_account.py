@@ -100,9 +100,19 @@ def release_analysis() -> None:
 ANALYSIS_KEPT = 1 << 20  # bytes of analysis kept while no account reads it (--xla-report off)
 
 
+_unread_cells = 0
+
+
 def forget_analysis() -> None:
-    """Keep the analysis file small while cells ask for no account: what compiled then is nobody's."""
+    """Keep the analysis file small while cells ask for no account: what compiled then is nobody's.
+
+    Looks every hundredth such cell, so a cell with the report off costs nothing measurable.
+    """
+    global _unread_cells
+    _unread_cells += 1
     path = _analysis_file
+    if _unread_cells % 100:
+        return
     try:
         if path is not None and os.stat(path).st_size > ANALYSIS_KEPT:
             os.truncate(path, 0)
@@ -468,6 +478,8 @@ _accountant_lock = threading.Lock()
 def accountant() -> Accountant:
     """This process's accountant, one for all its rank threads (made anew in a forked child)."""
     global _accountant, _accountant_pid
+    if _accountant is not None and _accountant_pid == os.getpid():
+        return _accountant
     with _accountant_lock:
         if _accountant is None or _accountant_pid != os.getpid():
             _accountant, _accountant_pid = Accountant(), os.getpid()
