@@ -188,7 +188,9 @@ def _xlac() -> Any:
 
 
 # Read at every cell's start and end: one of them moves whenever XLA compiled, ran a
-# graph or copied to the CPU (every fallback does). Only then is the rest read.
+# graph or copied to the CPU (every fallback does). Only then is the rest read. The
+# compile counters must be here: torch_xla.sync() compiles at once but runs the graph
+# in the background, maybe after the cell's end was read.
 ACTIVITY = ("UncachedCompile", "CachedCompile", "ExecuteComputation", "ExecuteReplicated",
             "xla::_to_copy", "xla::_to_cpu")
 
