@@ -285,14 +285,23 @@ class RankServer:
             xla_account.forget_analysis()
             yield
             return
-        accountant = xla_account.accountant()
-        accountant.begin(self.rank, self._filename, fields.get("run_id"))
+        # Counting must never cost the cell: a fault in it (another torch_xla's API) only loses the account.
+        accountant: xla_account.Accountant | None = None
+        try:
+            accountant = xla_account.accountant()
+            accountant.begin(self.rank, self._filename, fields.get("run_id"))
+        except Exception:
+            accountant = None
         try:
             yield
         finally:
-            account = accountant.end(self._filename)
-            if account is not None:
-                self._xla_frame = protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
+            if accountant is not None:
+                try:
+                    account = accountant.end(self._filename)
+                except Exception:
+                    account = None
+                if account is not None:
+                    self._xla_frame = protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
 
     def push(self, fields: dict[str, Any]) -> None:
         values = transport.load_namespace(fields["values"])[0]

@@ -262,7 +262,10 @@ def _note_sync(depth: int = 2) -> None:
     span = _current
     if span is None:
         return
-    frame = sys._getframe(depth)
+    try:
+        frame: Any = sys._getframe(depth)
+    except ValueError:  # called from the top of a thread's stack
+        return
     for _ in range(SYNC_FRAMES):
         if frame is None:
             return
