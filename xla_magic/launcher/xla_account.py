@@ -15,8 +15,16 @@ Costs: a cell that does no XLA work pays two reads of the counters (a few
 microseconds); one that did waits at its end for the device work it
 started (``torch_xla.sync()`` returns before its graph ran), so that work
 counts in its own cell. The analysis is written only when XLA compiles,
-which takes far longer itself. ``.item()`` and ``.tolist()`` of XLA tensors note the
-cell line they were called from, so syncs have a line.
+which takes far longer itself. ``.item()`` and ``.tolist()`` of XLA
+tensors note the cell line they were called from, so syncs have a line
+(torch.compile sees the original methods).
+
+Environment: the rank sets PT_XLA_DEBUG_LEVEL, PT_XLA_DEBUG_FILE and
+PT_XLA_DEBUG_MAX_FRAME in its own process; processes a cell starts
+inherit them (their compilations land in the same file). On a host where
+xmp.spawn starts several processes, torch_xla writes the analysis only in
+local process 0 (PJRT_LOCAL_PROCESS_RANK): other processes' accounts have
+counts but no causes.
 
 Ranks that are threads of one process (the tpu launch path on CPU, v2/v3
 cores) share its counters: one span covers every rank thread that is in a
@@ -316,6 +324,8 @@ def _hook_syncs() -> None:
 
 
 class Span:
+    """What XLA did while rank threads of this process were in a cell (one rank, but for the tpu path's threads)."""
+
     def __init__(self, analysis: str | None, seen: dict[str, dict[str, Any]], cells: set[str],
                  last: Reading | None) -> None:
         self.analysis = analysis
