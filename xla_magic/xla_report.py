@@ -22,6 +22,7 @@ MODES = ("auto", "full", "off")
 # Syncs from one line (a loop: a few, printing a short run's loss, are fine), or ...
 SYNCS_WORTH_A_LOOK = 10
 ALL_SYNCS_WORTH_A_LOOK = 20  # ... in all, before the summary names them
+KEEPS_COMPILING = 5  # compilations from one place (a warm-up compiles two or three)
 LONG_COMPILE = 10.0  # seconds of compiling that are worth a word on their own
 
 
@@ -124,28 +125,29 @@ def _cell_name(filename: str | None) -> str:
 def _recompilations(account: dict[str, Any]) -> list[str]:
     """Lines that compiled again in this cell with other input shapes, or over and over; lines an earlier cell compiled.
 
-    A loop's first two steps often compile two graphs of the same inputs
-    (the first also runs the initialisation that was pending): that alone
-    is not worth a word.
+    A loop's first two steps often compile two graphs (the first also runs
+    the initialisation that was pending): that alone is not worth a word.
+    Compilations count together when they come from the same cell line by
+    the same path (a library's several sync points are several graphs).
     """
-    by_line: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    by_line: dict[tuple[Any, ...], list[dict[str, Any]]] = {}  # the same line, reached the same way
     for compilation in account["compilations"]:
         if compilation["line"] is not None:
-            by_line.setdefault((compilation["cell"], compilation["line"]), []).append(compilation)
+            by_line.setdefault(_place(compilation), []).append(compilation)
     findings = []
     for compilations in by_line.values():
         where = _where(account, compilations[0])
         code = f" ({compilations[0]['code']})" if compilations[0]["code"] else ""
         pairs = list(zip(compilations, compilations[1:]))
         reshaped = [(a, b) for a, b in pairs if _sizes_differ(a, b)]
-        if len(compilations) >= 4 or (len(compilations) == 3 and not reshaped):
+        if len(compilations) >= KEEPS_COMPILING:
             findings.append(f"{where}{code} compiled {len(compilations)} times: the graph changes from step to step "
                             f"({_why(*(reshaped[-1] if reshaped else pairs[-1]))})")
         elif reshaped:
             findings += [f"recompiled at {where}{code}: {_why(a, b)}" for a, b in reshaped]
     for compilation in account["compilations"]:
         earlier = compilation.get("earlier")
-        if earlier is not None and len(by_line.get((compilation["cell"], compilation["line"]), ())) < 2:
+        if earlier is not None and len(by_line.get(_place(compilation), ())) < 2:
             findings.append(
                 f"{_where(account, compilation)} compiled again (the same code compiled in run {earlier['run']}): "
                 f"this cell's {_why(earlier, compilation, across=True)}"
@@ -153,8 +155,14 @@ def _recompilations(account: dict[str, Any]) -> list[str]:
     return findings
 
 
+def _place(compilation: dict[str, Any]) -> tuple[Any, ...]:
+    return compilation["cell"], compilation["line"], tuple(compilation.get("path", ()))
+
+
 def _sizes_differ(before: dict[str, Any], after: dict[str, Any]) -> bool:
-    return (before.get("inputs"), before.get("input_bytes")) != (after.get("inputs"), after.get("input_bytes"))
+    """The same inputs, of other sizes: shapes changed. (Another number of inputs is another graph,
+    as a first step's that also ran the pending initialisation.)"""
+    return before.get("inputs") == after.get("inputs") and before.get("input_bytes") != after.get("input_bytes")
 
 
 def _why(before: dict[str, Any], after: dict[str, Any], across: bool = False) -> str:
@@ -402,6 +410,19 @@ def show(report: Report, text: bool = False) -> None:
         display(report)
 
 
+def say(line: str) -> None:
+    """One line under the cell: its own output in a notebook, so a progress bar's last ``\r`` line
+    in the cell's stream cannot swallow it; printed in a terminal."""
+    from IPython import get_ipython
+
+    if in_notebook(get_ipython()):
+        from IPython.display import display
+
+        display({"text/plain": line}, raw=True)
+    else:
+        print(line, flush=True)
+
+
 def after_cell(record: RunRecord) -> None:
     """Under the cell, however it ended: the summary line (auto) or the full report (full); nothing when off.
 
@@ -414,7 +435,7 @@ def after_cell(record: RunRecord) -> None:
         elif record.xla_report == "auto":
             line = summary(record)
             if line:
-                print(line, flush=True)
+                say(line)
     except Exception as exc:  # a malformed account, a display that fails
         print(f"(xla_magic could not tell what XLA did: {type(exc).__name__}: {exc})", flush=True)
 

@@ -326,7 +326,7 @@ def _hook_syncs() -> None:
 class Span:
     """What XLA did while rank threads of this process were in a cell (one rank, but for the tpu path's threads)."""
 
-    def __init__(self, analysis: str | None, seen: dict[str, dict[str, Any]], cells: set[str],
+    def __init__(self, analysis: str | None, seen: dict[Any, dict[str, Any]], cells: set[str],
                  last: Reading | None) -> None:
         self.analysis = analysis
         self.seen = seen
@@ -391,8 +391,13 @@ class Span:
             seconds = [None] * len(blocks)
         compilations = []
         for block, duration in zip(blocks, seconds):
-            where = next(((file, line) for _fn, file, line in block["frames"] if file in self.cells), None)
+            frames = block["frames"]
+            at = next((i for i, (_fn, file, _line) in enumerate(frames) if file in self.cells), None)
+            where = frames[at][1:] if at is not None else None
             code = _code(*where) if where else ""
+            # The calls between the cell's line and the compile (a library's own sync points):
+            # one cell line may compile several kinds of graph, each on its own path.
+            inner = tuple(f"{file}:{line}" for _fn, file, line in frames[:at])
             entry = {
                 "cause": _cause(block),
                 "hash": block["hash"],
@@ -402,16 +407,17 @@ class Span:
                 "cell": where[0] if where else None,
                 "line": where[1] if where else None,
                 "code": code,
+                "path": inner,
                 "earlier": None,
             }
             if code:
-                earlier = self.seen.get(code)
+                earlier = self.seen.get((code, inner))
                 if earlier is not None and earlier["run"] != self.run:
                     entry["earlier"] = earlier
             compilations.append(entry)
         for entry in compilations:
             if entry["code"]:
-                self.seen[entry["code"]] = {"run": self.run, **{key: entry[key] for key in
+                self.seen[(entry["code"], entry["path"])] = {"run": self.run, **{key: entry[key] for key in
                                                                  ("cell", "line", "hash", "inputs", "input_bytes")}}
         return compilations
 
@@ -452,7 +458,8 @@ class Accountant:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.analysis = claim_analysis()
-        self.seen: dict[str, dict[str, Any]] = {}  # a line's code -> its last compilation, across cells
+        # (a line's code, the path to the compile) -> its last compilation, across cells
+        self.seen: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
         self.cells: set[str] = set()  # every cell this process ran: functions they defined still run
         self.span: Span | None = None
         self.last: Reading | None = None  # the counters at the last span's end
