@@ -141,6 +141,13 @@ CELLS = [
     # The panel redraws when a run changes; the pool becomes current just
     # after its start run ends, so the panel is shown again to catch up.
     "%xla_status",
+    # What XLA did: the classic slow loop (a short last batch, .item() every step, a CPU fallback).
+    "%%xla_spawn --devices 2\nimport torch, torch_xla\nmodel = torch.nn.Linear(64, 10).to(device)\n"
+    "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\ndata = torch.randn(1000, 64)\nlosses = []\n"
+    "for start in range(0, len(data), 64):\n    x = data[start:start + 64].to(device)\n"
+    "    loss = model(x).pow(2).mean()\n    loss.backward()\n    optimizer.step()\n    optimizer.zero_grad()\n"
+    "    torch_xla.sync()\n    losses.append(loss.item())\npositive = torch.nonzero(model.weight > 0)",
+    "%xla_report",
 ]
 
 
@@ -390,3 +397,27 @@ def check_stop_pool_button(page) -> None:
     first_view.get_by_text("none (%xla_pool start").wait_for()
     assert button.is_disabled()
     assert "pool stopped" in page.locator(".xla-status-panel").nth(1).inner_text()
+
+
+def test_what_xla_did_shows_under_the_cell_and_as_a_table(page, server):
+    with evidence(page, server, "xla-report"):
+        check_xla_report(page)
+
+
+def check_xla_report(page) -> None:
+    run_and_wait(page, 6)
+    summary = cell(page, 6).locator(FRONT_END.output)
+    summary.get_by_text("recompiled at line 12 (torch_xla.sync()): input shapes changed").wait_for()
+    text = summary.inner_text()
+    assert "17 device→host syncs (line 13: losses.append(loss.item()) ×16)" in text, text
+    assert "CPU fallback aten::nonzero ×1 (line 14)" in text, text
+    run_and_wait(page, 7)
+    table = cell(page, 7).locator(f"{FRONT_END.output} .xla-report")
+    table.wait_for()
+    assert table.locator("tr.xla-ranks").count() == 1  # both ranks did the same: one row
+    assert table.locator("tr.xla-compilation").count() == 3
+    assert "Metric:" not in table.inner_text()  # never torch_xla's raw report
+    if FRONT_END is LAB:  # the README's pictures
+        IMAGES.mkdir(parents=True, exist_ok=True)
+        cell(page, 6).screenshot(path=str(IMAGES / "xla_summary.png"))
+        cell(page, 7).screenshot(path=str(IMAGES / "xla_report.png"))

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import widget
+from xla_magic import widget, xla_report
 from xla_magic.display import in_notebook
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
@@ -64,6 +64,16 @@ def spmd_arguments(function: Any) -> Any:
     return function
 
 
+def xla_report_argument(function: Any) -> Any:
+    """--xla-report, shared by %%xla_spawn and %xla_pool."""
+    return argument(
+        "--xla-report", choices=xla_report.MODES, default=None,
+        help="what XLA did in each cell (compilations and their causes, syncs, CPU fallbacks): auto (default) "
+        "shows one line under a cell when something deserves a look, full the whole report after every cell, "
+        "off nothing (and the ranks do not count)",
+    )(function)
+
+
 def spmd_options(args: argparse.Namespace) -> SpmdOptions | None:
     """The SPMD options asked for, None without --spmd; --mesh or --axes alone is a UsageError."""
     if not args.spmd:
@@ -104,6 +114,7 @@ class XlaMagics(Magics):
         help="while a pool runs, run this cell in newly spawned ranks instead of the pool's",
     )
     @spmd_arguments
+    @xla_report_argument
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -131,7 +142,7 @@ class XlaMagics(Magics):
         results = self.session.run_cell(
             cell, args.devices, args.backend, args.timeout, args.fresh,
             self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
-            spmd=spmd_options(args),
+            spmd=spmd_options(args), xla_report=args.xla_report,
         )
         if args.out:
             self.shell.user_ns[args.out] = results
@@ -141,6 +152,25 @@ class XlaMagics(Magics):
         return results
 
     @magic_arguments()
+    @argument("--text", action="store_true", help="print the report as text, even in a notebook")
+    @line_magic
+    def xla_report(self, line: str) -> None:
+        """Show what XLA did in the last %%xla_spawn cell, rank by rank.
+
+        Compilations (how many, how long, the cell line that caused each and
+        why: the cause from torch_xla's compilation analysis, the graph's
+        hash, its inputs), executions, compilations served from the cache,
+        device-to-host transfers and the ops that fell back to the CPU. A
+        table in a notebook, text elsewhere. ``--xla-report full`` on
+        ``%%xla_spawn`` or ``%xla_pool start`` shows it after every cell.
+        """
+        args = parse_argstring(self.xla_report, line)
+        record = self.session.last_cell
+        if record is None:
+            raise UsageError("no %%xla_spawn cell has run yet: run one, then %xla_report shows what XLA did in it")
+        xla_report.show(xla_report.Report(record), text=args.text)
+
+    @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")
     @line_magic
     def xla_status(self, line: str) -> None:
@@ -148,8 +178,10 @@ class XlaMagics(Magics):
 
         In a notebook this is a live ipywidgets panel: the ranks of the running
         (or last) cell with their state, elapsed time, lines, last line,
-        device memory and the processes each keeps (a pool's), the recent runs, and buttons to interrupt the run and
-        stop the pool. Elsewhere it prints the same facts as text.
+        device memory, the processes each keeps (a pool's) and what XLA did in
+        them (once the cell ended), the recent runs with their XLA summary, and
+        buttons to interrupt the run and stop the pool. Elsewhere it prints the
+        same facts as text.
         """
         args = parse_argstring(self.xla_status, line)
         widget.show_status(self.session, self.shell, text=args.text)
@@ -181,6 +213,7 @@ class XlaMagics(Magics):
         "'kubectl exec -i worker-{index} --')",
     )
     @spmd_arguments
+    @xla_report_argument
     @line_magic
     def xla_pool(self, line: str) -> None:
         """Keep ranks alive between %%xla_spawn cells: a persistent pool.
@@ -226,9 +259,10 @@ class XlaMagics(Magics):
             self.session.start_hosts(old.hosts, old.template, args.devices or old.devices,
                                      args.backend or old.backend, spmd)
         elif args.action == "start":
-            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
+            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report)
         elif args.action == "restart":
-            self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd)
+            self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd,
+                                      xla_report=args.xla_report)
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":
@@ -269,6 +303,8 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
     if args.launch is not None and args.hosts is None and args.action == "start":
         raise UsageError("--launch says how to start an engine on each host: give the hosts too, like "
                          "%xla_pool start --hosts 10.0.0.2,10.0.0.3 --launch 'ssh {host}'")
+    if args.xla_report is not None and args.action not in ("start", "restart"):
+        raise UsageError("--xla-report goes with %xla_pool start and restart only (or with %%xla_spawn, for one cell)")
     if args.rank is not None and args.action != "pull":
         raise UsageError("--rank goes with %xla_pool pull only")
     if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):

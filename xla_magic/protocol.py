@@ -50,6 +50,9 @@ DONE = "done"
 # data (``what`` names the kernel's view of it, e.g. "sharding"); the rank
 # waits for SHOWN, so what it prints next comes after the picture
 DISPLAY = "display"
+# rank -> kernel, with a cell's reply: what XLA did during the cell (launcher/xla_account.py)
+# (none from a rank in which XLA did nothing during the cell)
+XLA = "xla"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"

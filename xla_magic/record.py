@@ -21,6 +21,9 @@ class RankState:
     pid: int | None = None
     memory: dict[str, Any] | None = None
     processes: list[int] = field(default_factory=list)  # live processes below the rank, as of its last DONE
+    # What XLA did in the rank during the cell (launcher/xla_account.py), once it ended;
+    # rank threads of one process share one account, which names them all.
+    xla: dict[str, Any] | None = None
 
     @property
     def elapsed(self) -> float:
@@ -43,3 +46,10 @@ class RunRecord:
     # Set from any thread (the status panel's Interrupt button); the request
     # stops as if the notebook's stop button had been pressed.
     interrupt_requested: bool = False
+    xla_report: str = "auto"  # --xla-report: auto, full or off
+
+    def take_xla(self, account: dict[str, Any]) -> None:
+        """A rank's account of what XLA did (protocol.XLA), for every rank it covers."""
+        for rank in account.get("ranks", ()):
+            if rank in self.ranks:
+                self.ranks[rank].xla = account

@@ -331,6 +331,8 @@ class Request:
             return  # a reply to a request the kernel gave up on
         elif kind == protocol.RESULT:
             self._take_result(rank, fields)
+        elif kind == protocol.XLA:
+            self.record.take_xla(fields["account"])
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
                 self._rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank

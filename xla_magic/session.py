@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, probe, protocol, sharding, transport
+from xla_magic import payload, probe, protocol, sharding, transport, xla_report
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
 from xla_magic.ranks import Ranks
@@ -71,6 +71,8 @@ class Session:
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
         self.world: dict[str, Any] | None = None  # an engine's session on one of several hosts: its part of the world
         self.hosts: Any = None  # the kernel's pool across several hosts (xla_magic.hosts.pool.HostsPool)
+        self.pool_xla_report = "auto"  # the pool's --xla-report, for cells that give none
+        self.last_cell: RunRecord | None = None
 
     # -- the launcher ------------------------------------------------------
 
@@ -110,6 +112,7 @@ class Session:
         hidden: Mapping[str, Any],
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
+        xla_report: str | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (unless ``fresh``), else in new ranks.
 
@@ -126,13 +129,13 @@ class Session:
             pool.check_fits(devices, backend, spmd)
             pool.check_usable()
             self._guard_kernel(pool)
-            return self._cell(pool, cell, user_ns, hidden, timeout, live_lines)
+            return self._cell(pool, cell, user_ns, hidden, timeout, live_lines, xla_report or self.pool_xla_report)
         if pool is not None:
             pool.check_fresh_allowed()
         placement = plan(backend, devices, "%%xla_spawn", spmd)
         ranks = Ranks(placement, keep=False, requested_backend=backend, workdir=self.workdir)
         try:
-            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines)
+            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines, xla_report or "auto")
         finally:
             ranks.stop()
 
@@ -144,6 +147,7 @@ class Session:
         hidden: Mapping[str, Any],
         timeout: float | None,
         live_lines: bool,
+        report: str = "auto",
     ) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         run_id = self.next_run_id()
@@ -155,9 +159,12 @@ class Session:
             shipping, changed = ranks.shipping.fields(values)
             seq = ranks.next_seq()
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
-                                    has_result=has_result, results_to=ranks.results.prefix, **shipping)
+                                    has_result=has_result, results_to=ranks.results.prefix,
+                                    xla_report=report != "off", **shipping)
             launching = ranks.state == "starting"
             record = self._record(run_id, cell, ranks)
+            record.xla_report = report
+            self.last_cell = record  # %xla_report shows what XLA did in it
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=timeout, on_update=self._notify,
                               live_lines=live_lines)
@@ -170,6 +177,7 @@ class Session:
             try:
                 return ranks.value(request.wait())
             finally:
+                xla_report.after_cell(record)
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)
@@ -243,6 +251,7 @@ class Session:
         backend: str | None,
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
+        xla_report: str | None = None,
     ) -> Ranks:
         """``%xla_pool start``: a pool of ready ranks (or, with ``spmd``, an SPMD process), or the one already running."""
         if self.current_hosts() is not None:
@@ -269,6 +278,7 @@ class Session:
         pool.start_seconds = time.monotonic() - began
         pool.state = "ready"
         self.pool = pool
+        self.pool_xla_report = xla_report or "auto"
         self._notify(record)  # a panel on show learns of the pool now, not at its next redraw
         print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
         return pool
@@ -291,6 +301,7 @@ class Session:
         backend: str | None,
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
+        xla_report: str | None = None,
     ) -> Ranks:
         """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
         old = self.current_pool()
@@ -299,9 +310,10 @@ class Session:
                 spmd = old_spmd_options(old, devices)
             devices = devices if devices is not None else old.devices
             backend = backend or old.requested_backend
+            xla_report = xla_report or self.pool_xla_report
             plan(backend, devices, "%xla_pool restart", spmd)  # bad options keep the old pool
             self.stop_pool()
-        return self.start_pool(devices, backend, live_lines, spmd)
+        return self.start_pool(devices, backend, live_lines, spmd, xla_report)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""

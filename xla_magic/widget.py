@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from xla_magic import probe
+from xla_magic import probe, xla_report
 from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
 from xla_magic.ranks import Ranks
@@ -273,11 +273,12 @@ def render_text(snap: Snapshot) -> str:
     if snap.run is not None:
         lines.append(f"Ranks of {run_headline(snap.run)}")
         lines.append(f"  {'rank':>4}  {'state':<8} {'elapsed':>10} {'lines':>6}  {'memory':<28} "
-                     f"{'processes':<20} last line")
+                     f"{'processes':<20} {'XLA':<30} last line")
         for rank, state in sorted(snap.run.ranks.items()):
             lines.append(
                 f"  {rank:>4}  {state.state:<8} {format_seconds(state.elapsed):>10} {state.lines:>6}  "
-                f"{format_memory(state.memory):<28} {format_processes(state.processes):<20} {shorten(state.last_line)}"
+                f"{format_memory(state.memory):<28} {format_processes(state.processes):<20} "
+                f"{xla_report.rank_facts(state):<30} {shorten(state.last_line)}"
             )
         note = rank_memory_note(snap.run)
         if note:
@@ -291,6 +292,9 @@ def render_text(snap: Snapshot) -> str:
                 f"  {run.run_id:>4}  {run.outcome:<11} {run.devices:>3} devices  "
                 f"{format_seconds(run.duration):>10}  {cell_summary(run.cell)}"
             )
+            said = xla_report.summary(run)
+            if said:
+                lines.append(f"        {said}")
     return "\n".join(lines)
 
 
@@ -336,7 +340,8 @@ def rank_row(rank: int, state: RankState) -> str:
         f"<td>{format_seconds(state.elapsed)}</td><td>{state.lines}</td>"
         f"<td>{html.escape(format_memory(state.memory))}</td>"
         f'<td class="xla-processes" data-count="{len(state.processes)}">{format_processes(state.processes)}</td>'
-        f'<td class="xla-mono">{html.escape(shorten(state.last_line))}</td></tr>'
+        f'<td class="xla-mono">{html.escape(shorten(state.last_line))}</td>'
+        f'<td class="xla-account">{html.escape(xla_report.rank_facts(state))}</td></tr>'
     )
 
 
@@ -348,7 +353,8 @@ def ranks_html(run: RunRecord | None) -> str:
         f'<h4>Ranks <span class="xla-run" data-run="{run.run_id}" data-outcome="{run.outcome}">'
         f"{chip(run.outcome, colour)}</span> {html.escape(run_headline(run, outcome=False))}</h4>"
     )
-    header = "<tr><th>rank</th><th>state</th><th>elapsed</th><th>lines</th><th>memory</th><th>processes</th><th>last line</th></tr>"
+    header = ("<tr><th>rank</th><th>state</th><th>elapsed</th><th>lines</th><th>memory</th><th>processes</th>"
+              "<th>last line</th><th>XLA</th></tr>")
     rows = "".join(rank_row(rank, state) for rank, state in sorted(run.ranks.items()))
     note = rank_memory_note(run)
     note_html = f'<div class="xla-note">{html.escape(note)}</div>' if note else ""
@@ -358,12 +364,13 @@ def ranks_html(run: RunRecord | None) -> str:
 def history_html(history: list[RunRecord]) -> str:
     if not history:
         return ""
-    header = "<tr><th>run</th><th>cell</th><th>devices</th><th>duration</th><th>outcome</th></tr>"
+    header = "<tr><th>run</th><th>cell</th><th>devices</th><th>duration</th><th>outcome</th><th>XLA</th></tr>"
     rows = "".join(
         f'<tr class="xla-history" data-run="{run.run_id}" data-outcome="{run.outcome}">'
         f'<td>{run.run_id}</td><td class="xla-mono">{html.escape(cell_summary(run.cell))}</td>'
         f"<td>{run.devices}</td><td>{format_seconds(run.duration)}</td>"
-        f"<td>{chip(run.outcome, OUTCOME_COLOURS.get(run.outcome, '#757575'))}</td></tr>"
+        f"<td>{chip(run.outcome, OUTCOME_COLOURS.get(run.outcome, '#757575'))}</td>"
+        f'<td class="xla-summary">{html.escape(xla_report.summary(run) or "")}</td></tr>'
         for run in history
     )
     return f'<div class="xla-status"><h4>History</h4><table>{header}{rows}</table></div>'

@@ -25,6 +25,7 @@ process): a DISPLAY event, answered by SHOWN once it is shown.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import io
 import os
 import pickle
@@ -33,10 +34,10 @@ import threading
 import time
 import traceback
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module
+from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, xla_account
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -176,6 +177,7 @@ class RankServer:
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
+        self._xla_frame = b""  # the cell's account of what XLA did (XLA), sent with its reply
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
@@ -271,8 +273,9 @@ class RankServer:
         self.flush_output()
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
                                processes=self.children.kept())
+        xla, self._xla_frame = self._xla_frame, b""
         with self.channel.lock:
-            self.channel.sock.sendall(reply + done if reply else done)
+            self.channel.sock.sendall((reply or b"") + xla + done)
         self._answered = seq
 
     def display(self, what: str, data: Any) -> None:
@@ -310,7 +313,7 @@ class RankServer:
         if memory is not None:
             memory.start()
         try:
-            with interrupt.Cell():
+            with self._accounted(fields), interrupt.Cell():
                 exec(body, self.namespace)
                 value = eval(last, self.namespace) if last is not None else None
             if self.closing is not None:
@@ -321,6 +324,31 @@ class RankServer:
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
         return self._result_frame(fields, value)
+
+    @contextlib.contextmanager
+    def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
+        """What XLA did during the cell, unless the kernel asked for no report (see xla_account.py)."""
+        if not fields.get("xla_report", True):
+            xla_account.forget_analysis()
+            yield
+            return
+        # Counting must never cost the cell: a fault in it (another torch_xla's API) only loses the account.
+        accountant: xla_account.Accountant | None = None
+        try:
+            accountant = xla_account.accountant()
+            accountant.begin(self.rank, self._filename, fields.get("run_id"))
+        except Exception:
+            accountant = None
+        try:
+            yield
+        finally:
+            if accountant is not None:
+                try:
+                    account = accountant.end(self._filename)
+                except Exception:
+                    account = None
+                if account is not None:
+                    self._xla_frame = protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
 
     def push(self, fields: dict[str, Any]) -> None:
         values = transport.load_namespace(fields["values"])[0]
@@ -399,6 +427,7 @@ def serve(
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
         lifetime.become_subreaper()  # what a request starts stays ours to end (see lifetime.ChildWatch)
     request = _decode(first) if first is not None else None
+    xla_account.claim_analysis()  # before the runtime first compiles: torch_xla reads it once
     waiting_seq = request.fields.get("seq") if request is not None else START_SEQ
     started = time.monotonic()
     server: RankServer | None = None
@@ -443,6 +472,8 @@ def serve(
         if server is not None:
             server.shipped.close()
             server.flush_output()
+        if not thread:
+            xla_account.release_analysis()
         capture.flush_all()
 
 

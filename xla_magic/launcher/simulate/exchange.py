@@ -337,8 +337,13 @@ def bump(counter: str, by: int = 1) -> None:
 
 @contextlib.contextmanager
 def own_transfers() -> Iterator[None]:
-    """Count what the simulation's own copies bump, to leave it out of reads."""
+    """Count what the simulation's own copies bump, to leave it out of reads.
+
+    Their device-to-host transfers too (under TRANSFERS): a cell's account
+    of what XLA did (xla_account.py) counts only the user's.
+    """
     before = {name: torch_xla._XLAC._xla_counter_value(name) for name in _op_counters()}
+    before[TRANSFERS] = _transfers()
     try:
         yield
     finally:
@@ -347,6 +352,15 @@ def own_transfers() -> Iterator[None]:
             grown = (torch_xla._XLAC._xla_counter_value(name) or 0) - (before.get(name) or 0)
             if grown > 0:
                 own[name] = own.get(name, 0) + grown
+        own[TRANSFERS] = own.get(TRANSFERS, 0) + _transfers() - before[TRANSFERS]
+
+
+TRANSFERS = "TransferFromDeviceTime"  # the metric whose samples count device-to-host transfers
+
+
+def _transfers() -> int:
+    data = torch_xla._XLAC._xla_metric_data(TRANSFERS)
+    return int(data[0]) if data else 0
 
 
 def _op_counters() -> list[str]:
