@@ -128,11 +128,14 @@ class XlaMagics(Magics):
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None:
             _check_name(args.out, "--out takes a variable name")
-        results = self.session.run_cell(
-            cell, args.devices, args.backend, args.timeout, args.fresh,
-            self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
-            spmd=spmd_options(args),
-        )
+        try:
+            results = self.session.run_cell(
+                cell, args.devices, args.backend, args.timeout, args.fresh,
+                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
+                spmd=spmd_options(args),
+            )
+        except SyntaxError as exc:  # the cell's own mistake, found before anything ran: show it, not our frames
+            raise exc.with_traceback(None) from None
         if args.out:
             self.shell.user_ns[args.out] = results
         # Like a cell ending in print(...): nothing worth showing.

@@ -126,6 +126,7 @@ class Ranks:
         self.start_seconds: float | None = None
         self.cells = 0
         self.shipping = Shipping()
+        self.place: dict[str, Any] | None = None  # the kernel's directory and path, as the ranks last got them
         self.results = transport.RunSegments()  # where ranks put large results and pulled values
         self.store: str | None = None  # the gloo store's directory, for the set's life
         self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu

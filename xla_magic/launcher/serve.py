@@ -19,7 +19,9 @@ the cell of the request being answered and nothing else. Output goes
 through capture.py. Results and pulled values travel with large tensors
 and arrays in shared memory, under the prefix the request names. A cell
 can have the kernel display something (``show_sharding`` in an SPMD
-process): a DISPLAY event, answered by SHOWN once it is shown.
+process, or anything its IPython shell displays: shell.py): a DISPLAY
+event, answered by SHOWN once it is shown. A cell runs in the kernel's
+directory, with the kernel's sys.path (place.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import types
 from typing import Any, Callable
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module
+from xla_magic.launcher import capture, interrupt, lifetime, place, rank as rank_module, shell
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -128,12 +130,15 @@ class CompiledCells:
         self._kept = kept
         self._cells: dict[str, tuple[str, types.CodeType, types.CodeType | None]] = {}
 
-    def get(self, source: str, filename: str) -> tuple[str, types.CodeType, types.CodeType | None]:
-        """(filename the code was compiled under, body, last expression or None)."""
+    def get(self, source: str, filename: str, code: str | None = None) -> tuple[str, types.CodeType, types.CodeType | None]:
+        """(filename the code was compiled under, body, last expression or None).
+
+        ``code`` is the cell as Python when it has IPython syntax; tracebacks show the cell's own lines.
+        """
         cell = self._cells.get(source)
         if cell is None:
             rank_module.register_source(source, filename)
-            cell = (filename, *rank_module.compile_cell(source, filename))
+            cell = (filename, *rank_module.compile_cell(code or source, filename))
             if len(self._cells) >= self._kept:
                 self._cells.pop(next(iter(self._cells)))
             self._cells[source] = cell
@@ -167,6 +172,8 @@ class RankServer:
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         rank_module.set_display(self.display)
+        self.home = shell.Home(self.namespace)  # its IPython shell, made on first use
+        shell.enter(self.home)
         self._filename = "<xla_pool>"
         self._results: transport.SegmentWriter | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
@@ -252,20 +259,21 @@ class RankServer:
 
     def run_cell(self, fields: dict[str, Any]) -> bytes:
         seq = fields["seq"]
+        if "place" in fields:  # before loading names: a shipped function may import the user's module
+            place.apply(fields["place"])
         plain, objects = self.shipped.values_for(fields)
         self.namespace.update(plain)
         if objects:
             rank_module.bind_rank_names(objects, self.rank_names)
             self.namespace.update(objects)
         self.namespace.update(self.rank_names)  # a cell may have rebound ``rank``
-        self._filename, body, last = self.cells.get(fields["source"], fields["filename"])
+        self._filename, body, last = self.cells.get(fields["source"], fields["filename"], fields.get("code"))
         memory = rank_module.MemoryReporter(self.channel, self.device) if self.reports_memory else None
         if memory is not None:
             memory.start()
         try:
             with interrupt.Cell():
-                exec(body, self.namespace)
-                value = eval(last, self.namespace) if last is not None else None
+                value = self.home.run(fields["source"], body, last)
             if self.closing is not None:
                 self.closing()
         finally:
@@ -310,7 +318,8 @@ class RankServer:
             seq=seq,
             type=type(exc).__name__,
             message=rank_module.exception_message(exc),
-            traceback=rank_module.format_error(exc, self._filename) if with_traceback else "",
+            traceback=rank_module.format_error(exc, self._filename)
+            if with_traceback and not isinstance(exc, place.PlaceError) else "",
         )
 
 
