@@ -439,3 +439,12 @@ class Ranks:
             f"{self.state}: {where}, up {uptime:.0f} s, {self.cells} cell(s) run; "
             f"{processes} {pids or 'unknown'}"
         )
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (state T), as /proc says."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False

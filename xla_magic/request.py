@@ -31,7 +31,7 @@ from IPython.core.error import UsageError
 from xla_magic import protocol, rank_display, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
-from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
+from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit, process_stopped
 from xla_magic.record import RankState, RunRecord
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
@@ -229,7 +229,7 @@ class Request:
         """A rank stopped by SIGSTOP/SIGTSTP would hang the cell in silence: say so, once."""
         running = {rank: self.ranks.pids[rank] for rank in self._unsettled() if rank in self.ranks.pids}
         for pid in set(running.values()):
-            stopped = _process_stopped(pid)
+            stopped = process_stopped(pid)
             ranks = [rank for rank, owner in running.items() if owner == pid]
             if stopped and pid not in self.stopped_pids:
                 self.stopped_pids.add(pid)
@@ -590,11 +590,3 @@ class Request:
 def _listed(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
-
-def _process_stopped(pid: int) -> bool:
-    """Whether a process is stopped by a signal (state T), as /proc says."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
