@@ -106,6 +106,7 @@ def test_the_user_path_leaves_out_the_interpreters_own_directories():
 
 
 SHELL_CELL = """
+%matplotlib inline
 %env XLA_MAGIC_TEST_VAR=from-env
 %time y = scale * rank
 %timeit -n 1 -r 1 scale + rank

@@ -66,6 +66,14 @@ class RankShell(InteractiveShell):
 
     display_pub_class = Type(RankPublisher)
 
+    def enable_gui(self, gui: str | None = None) -> None:
+        """Inline figures need no event loop; a rank has no screen for a GUI's windows."""
+        if gui not in (None, "inline"):
+            raise RuntimeError(
+                f"a rank has no screen for {gui} windows: use %matplotlib inline (the default in ranks), "
+                f"and its figures show in the notebook"
+            )
+
 
 class Home:
     """One rank's shell, made on first use over the rank's namespace."""
