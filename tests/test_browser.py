@@ -413,6 +413,7 @@ def test_a_ranks_plot_and_display_show_in_the_cell(page, server):
 
 def check_rank_plot(page) -> None:
     index = CELLS.index(PLOT_CELL)
+    run_and_wait(page, 0)  # %load_ext again (nothing new when the tests above ran): this test can run alone
     run_and_wait(page, index)
     output = cell(page, index).locator(FRONT_END.output)
     picture = output.locator("img")
