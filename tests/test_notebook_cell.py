@@ -98,6 +98,16 @@ def test_a_directory_the_ranks_cannot_enter_is_an_error_naming_it(ip, kernel_pla
     assert "xla_magic/launcher" not in message  # our frames are no part of the user's error
 
 
+def test_a_notebook_function_whose_module_the_ranks_cannot_import_is_an_error_naming_it(ip, kernel_place, monkeypatch):
+    ip.run_cell("import mymodel\ndef helper(x):\n    return mymodel.f(x)")
+    monkeypatch.setattr(place, "current", lambda: {"cwd": str(kernel_place), "path": ()})  # the path stays behind
+    with pytest.raises(Exception) as info:
+        run(ip, "--devices 2", "helper(rank)")
+    message = "\n".join(info.value._render_traceback_())
+    assert "need the module 'mymodel'" in message and "sys.path" in message
+    assert "xla_magic/launcher" not in message
+
+
 def test_the_user_path_leaves_out_the_interpreters_own_directories():
     import sysconfig
 

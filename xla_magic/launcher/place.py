@@ -27,7 +27,7 @@ _added: list[str] = []  # sys.path entries this process added for the kernel
 
 
 class PlaceError(Exception):
-    """The kernel's place cannot be had here: the message says why and what to do."""
+    """What the cell needs of the kernel's place (its directory, its modules) is not here: the message says what to do."""
 
 
 def apply(place: dict[str, Any]) -> None:

@@ -130,7 +130,9 @@ class CompiledCells:
         self._kept = kept
         self._cells: dict[str, tuple[str, types.CodeType, types.CodeType | None]] = {}
 
-    def get(self, source: str, filename: str, code: str | None = None) -> tuple[str, types.CodeType, types.CodeType | None]:
+    def get(
+        self, source: str, filename: str, code: str | None = None
+    ) -> tuple[str, types.CodeType, types.CodeType | None]:
         """(filename the code was compiled under, body, last expression or None).
 
         ``code`` is the cell as Python when it has IPython syntax; tracebacks show the cell's own lines.
@@ -261,7 +263,14 @@ class RankServer:
         seq = fields["seq"]
         if "place" in fields:  # before loading names: a shipped function may import the user's module
             place.apply(fields["place"])
-        plain, objects = self.shipped.values_for(fields)
+        try:
+            plain, objects = self.shipped.values_for(fields)
+        except ModuleNotFoundError as exc:  # a notebook value pickled with a module by its name
+            raise place.PlaceError(
+                f"the notebook's values that this cell reads need the module {exc.name!r}, which this rank "
+                f"cannot import: put its directory on the kernel's sys.path (the ranks follow it), or "
+                f"import it inside the cell"
+            ) from None
         self.namespace.update(plain)
         if objects:
             rank_module.bind_rank_names(objects, self.rank_names)
