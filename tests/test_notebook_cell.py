@@ -218,6 +218,12 @@ def test_what_a_rank_displays_arrives_as_display_data_in_order_with_its_lines(ip
     assert rank0 == [f"{tag} before", tag, f"{tag} between", tag, f"{tag} after"]
 
 
+def test_a_terminal_prints_the_text_form_of_what_ranks_display(ip):
+    with capture_output(display=False) as terminal:  # the terminal shell's own display_pub prints
+        ip.run_cell_magic("xla_spawn", "--devices 1", "from IPython.display import HTML\ndisplay(HTML('<b>x</b>'))")
+    assert terminal.stdout.splitlines() == ["[rank 0]", "<IPython.core.display.HTML object>"]
+
+
 def test_display_handles_update_each_ranks_own_display(ip):
     cell = ("from IPython.display import display, update_display\nh = display('first', display_id=True)\n"
             "h.update(f'second {rank}')\ndisplay('x', display_id='fixed')\nupdate_display(f'y {rank}', display_id='fixed')")

@@ -115,6 +115,12 @@ class XlaMagics(Magics):
         list of every rank's last expression, indexed by rank. The kernel never
         starts an XLA runtime, so the next cell can spawn again.
 
+        The cell is a notebook cell on every rank: it runs in the kernel's
+        working directory with the kernel's ``sys.path``; line magics, ``!``
+        commands and ``get_ipython()`` work (each rank has an IPython shell);
+        ``display()`` and matplotlib figures appear in the cell, labelled
+        with the rank. ``%pip`` and xla_magic's own magics are refused there.
+
         While a pool runs (``%xla_pool start``) the cell runs in the pool's
         ranks, whose namespaces persist between cells; ``--fresh`` spawns.
 
