@@ -72,6 +72,7 @@ with torch.no_grad():  # the same start on every rank (no shared random state ne
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x = shard(features, rank, world_size).to(device)
 y = shard(targets, rank, world_size).to(device)
+losses = []  # this rank's loss at every step, for the curve
 
 for step in range(40):
     optimizer.zero_grad()
@@ -79,10 +80,20 @@ for step in range(40):
     loss.backward()
     xm.optimizer_step(optimizer)  # average the gradients over all ranks, then step
     torch_xla.sync()  # run the step's graph now
+    losses.append(loss.detach())
     if step % 10 == 0:
         mean_loss = strategy.reduce(loss.detach(), reduce_op="mean")
         if strategy.is_global_zero:
             print(f"step {{step:2d}}  loss {{mean_loss.item():.5f}}")
+
+if strategy.is_global_zero:  # a plot from rank 0 appears in the notebook, as from any cell
+    import matplotlib.pyplot as plt
+
+    plt.figure(figsize=(5, 3))
+    plt.semilogy([value.item() for value in losses])
+    plt.xlabel("step")
+    plt.ylabel("loss on rank 0's shard")
+    plt.show()
 
 [round(value, 4) for value in model.weight.flatten().tolist() + model.bias.tolist()]
 '''
@@ -131,10 +142,28 @@ take the cell's ranks as their devices. Lightning spawns nothing, since the
 ranks already exist; it sees `world_size` devices and this rank's global rank,
 shards the data with its `DistributedSampler`, averages the gradients, and
 shows its progress bar, logs and checkpoints from rank 0 only. The same cell
-runs on a TPU. (Needs `pip install lightning`.)
+runs on a TPU. (Needs `pip install lightning`: where it is not installed, as on
+Colab and Kaggle, the `%%needs lightning` line defined below skips these cells
+with a one-line note.)
+'''
+
+# Colab's and Kaggle's images have no Lightning: there its cells say so and run nothing.
+NEEDS = '''
+import importlib.util
+from IPython.core.magic import register_cell_magic
+
+
+@register_cell_magic
+def needs(package, cell):
+    """%%needs PACKAGE: run the rest of the cell where PACKAGE is installed, else say so in one line."""
+    if importlib.util.find_spec(package) is None:
+        print(f"skipped: this cell needs {package}, which is not installed here (pip install {package})")
+    else:
+        get_ipython().run_cell(cell).raise_error()
 '''
 
 LIGHTNING_TRAINER = '''
+%%needs lightning
 %%xla_spawn --devices 4 --out lightning_weights
 import lightning as L
 import torch
@@ -166,6 +195,7 @@ trainer.fit(model, DataLoader(TensorDataset(features, targets), batch_size=32))
 '''
 
 LIGHTNING_CHECK = '''
+%%needs lightning
 same = all(w == lightning_weights[0] for w in lightning_weights)
 print(f"Lightning on {len(lightning_weights)} ranks, the same weights everywhere: {same}")
 print("learned:", lightning_weights[0])
@@ -178,6 +208,7 @@ combines over the ranks.
 '''
 
 LIGHTNING_FABRIC = '''
+%%needs lightning
 %%xla_spawn --devices 4
 import lightning as L
 import torch
@@ -402,7 +433,9 @@ plain torch_xla training code: `xm.optimizer_step` averages the gradients over
 all ranks before each step, so every rank takes the same step and ends with the
 same weights. On a TPU that is torch_xla's all-reduce; in the simulation the
 same call travels between the rank processes over gloo. `strategy.reduce`
-averages the loss for the report.
+averages the loss for the report, and rank 0 draws its loss curve with
+matplotlib: a rank's plots and `display()` calls appear in the notebook, as
+from any cell.
 '''),
     train_cell(" --devices 4"),
     code(TRAIN_CHECK),
@@ -431,6 +464,7 @@ on XLA devices. The notebook's names a cell reads are still shipped to it.
     code(POOL_USE),
     code(POOL_STOP),
     md(LIGHTNING_INTRO),
+    code(NEEDS),
     code(LIGHTNING_TRAINER),
     code(LIGHTNING_CHECK),
     md(LIGHTNING_FABRIC_INTRO),

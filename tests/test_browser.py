@@ -1,8 +1,9 @@
 """%xla_status in a real browser: a Jupyter front end on loopback, driven by headless Chromium.
 
 A person's view, end to end: the front end renders the ipywidgets panel, the
-test reads what the page shows, clicks the panel's buttons, and (JupyterLab
-only) saves the screenshots the README uses (docs/images/).
+test reads what the page shows, clicks the panel's buttons, sees a rank's
+plot in the cell, and (JupyterLab only) saves the screenshots the README uses
+(docs/images/).
 
 The front end is the one that goes with this stack's ipywidgets: JupyterLab 4
 for ipywidgets 8, and for ipywidgets 7 (Colab's pins, scripts/stacks/colab.txt)
@@ -131,6 +132,17 @@ pytestmark = [
     pytest.mark.skipif(FRONT_END_MISSING is not None, reason=FRONT_END_MISSING or ""),
 ]
 
+PLOT_CELL = """%%xla_spawn --devices 2
+import matplotlib.pyplot as plt
+from IPython.display import HTML
+print("training on rank", rank)
+if rank == 0:
+    plt.figure(figsize=(5, 2.5))
+    plt.plot([1 / (1 + step) for step in range(30)])
+    plt.title("loss on rank 0")
+    plt.show()
+display(HTML(f"<b>rank {rank}</b> is done"))"""
+
 CELLS = [
     "%load_ext xla_magic",
     "%%xla_spawn --devices 8\nimport torch\nx = torch.ones(2, device=device) * rank\n"
@@ -148,6 +160,8 @@ CELLS = [
     "    loss = model(x).pow(2).mean()\n    loss.backward()\n    optimizer.step()\n    optimizer.zero_grad()\n"
     "    torch_xla.sync()\n    losses.append(loss.item())\npositive = torch.nonzero(model.weight > 0)",
     "%xla_report",
+    # A rank's plot and display(), as a notebook shows them.
+    PLOT_CELL,
 ]
 
 
@@ -421,3 +435,25 @@ def check_xla_report(page) -> None:
         IMAGES.mkdir(parents=True, exist_ok=True)
         cell(page, 6).screenshot(path=str(IMAGES / "xla_summary.png"))
         cell(page, 7).screenshot(path=str(IMAGES / "xla_report.png"))
+
+
+def test_a_ranks_plot_and_display_show_in_the_cell(page, server):
+    with evidence(page, server, "rank-plot"):
+        check_rank_plot(page)
+
+
+def check_rank_plot(page) -> None:
+    index = CELLS.index(PLOT_CELL)
+    run_and_wait(page, 0)  # %load_ext again (nothing new when the tests above ran): this test can run alone
+    run_and_wait(page, index)
+    output = cell(page, index).locator(FRONT_END.output)
+    picture = output.locator("img")
+    picture.wait_for()
+    assert picture.count() == 1  # rank 0's figure, as image/png
+    assert picture.evaluate("image => image.naturalWidth") > 100
+    text = output.inner_text()
+    for rank in range(2):
+        assert f"[rank {rank}] training on rank {rank}" in text
+        assert output.locator("b", has_text=f"rank {rank}").count() == 1  # display(HTML(...)), rendered
+    if FRONT_END is LAB:  # the README's picture
+        cell(page, index).screenshot(path=str(IMAGES / "rank_plot.png"))

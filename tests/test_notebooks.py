@@ -117,6 +117,10 @@ def test_quickstart_training_converges_on_every_rank(quickstart):
     assert len(losses) == 4, training
     assert losses == sorted(losses, reverse=True) and losses[-1] < 0.02, losses  # the noise is 0.01
     assert "[rank 1]" not in training  # only rank 0 reports
+    train = cell_with(quickstart, "--out weights")
+    curves = [out for out in train.outputs if out.output_type == "display_data" and "image/png" in out.data]
+    assert len(curves) == 1  # rank 0's loss curve, drawn with matplotlib in the rank
+    assert stdout(train).endswith("[rank 0]\n")  # its label, after every line printed before it
     check = stdout(cell_with(quickstart, "all with the same weights"))
     assert "4 ranks, all with the same weights: True" in check
     learned = ast.literal_eval(re.search(r"learned: (\[.*\])", check).group(1))
@@ -150,6 +154,21 @@ def test_quickstart_lightning_trains_across_the_ranks(quickstart):
     assert learned == pytest.approx([2.0, -3.0, 0.5, 1.0], abs=2e-2)
     fabric = stdout(cell_with(quickstart, "fabric.launch(train"))
     assert re.findall(r"^\[rank (\d)\] epoch (\d+)", fabric, re.MULTILINE) == [("0", "5"), ("0", "10"), ("0", "15")]
+
+
+def test_cells_that_need_a_missing_package_are_skipped_with_a_note():
+    needs = load_builder().NEEDS
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
+        "%load_ext xla_magic", needs,
+        "%%needs no_such_package_here\n%%xla_spawn --devices 2\nimport no_such_package_here",
+        "%%needs json\n%%xla_spawn --devices 2\nimport json\njson.dumps(rank)",
+    )])
+    execute(notebook)
+    no_errors(notebook)
+    skipped = stdout(notebook.cells[2])
+    assert skipped == ("skipped: this cell needs no_such_package_here, which is not installed here "
+                       "(pip install no_such_package_here)\n")
+    assert "['0', '1']" in result(notebook.cells[3])
 
 
 def widget_text(notebook: nbformat.NotebookNode) -> str:

@@ -126,6 +126,12 @@ class XlaMagics(Magics):
         list of every rank's last expression, indexed by rank. The kernel never
         starts an XLA runtime, so the next cell can spawn again.
 
+        The cell is a notebook cell on every rank: it runs in the kernel's
+        working directory with the kernel's ``sys.path``; line magics, ``!``
+        commands and ``get_ipython()`` work (each rank has an IPython shell);
+        ``display()`` and matplotlib figures appear in the cell, labelled
+        with the rank. ``%pip`` and xla_magic's own magics are refused there.
+
         While a pool runs (``%xla_pool start``) the cell runs in the pool's
         ranks, whose namespaces persist between cells; ``--fresh`` spawns.
 
@@ -139,11 +145,14 @@ class XlaMagics(Magics):
         args = parse_argstring(self.xla_spawn, line)
         if args.out is not None:
             _check_name(args.out, "--out takes a variable name")
-        results = self.session.run_cell(
-            cell, args.devices, args.backend, args.timeout, args.fresh,
-            self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
-            spmd=spmd_options(args), xla_report=args.xla_report,
-        )
+        try:
+            results = self.session.run_cell(
+                cell, args.devices, args.backend, args.timeout, args.fresh,
+                self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
+                spmd=spmd_options(args), xla_report=args.xla_report,
+            )
+        except SyntaxError as exc:  # the cell's own mistake, found before anything ran: show it, not our frames
+            raise exc.with_traceback(None) from None
         if args.out:
             self.shell.user_ns[args.out] = results
         # Like a cell ending in print(...): nothing worth showing.

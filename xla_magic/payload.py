@@ -1,7 +1,12 @@
 """A cell's source: whether it compiles, what it returns, which notebook names it reads.
 
-Runs in the kernel. The cell is compiled here first, so a syntax error never
-launches anything; the names the cell reads are then shipped (shipping.py)
+Runs in the kernel. A cell is IPython code: what is not plain Python
+(``%time``, ``!ls``, ``x = !ls``) is turned into Python by IPython's own
+input transformations, as IPython does for any cell, and the ranks run that
+code in shells of their own (launcher/shell.py). Magics that would change the
+whole environment from every rank at once (``%pip``) or that belong to the
+kernel (``%xla_pool``) are refused. The cell is compiled here first, so a
+syntax error never launches anything; the names the cell reads are then shipped (shipping.py)
 with cloudpickle (notebook functions and classes by value, modules by
 reference), and a value that cannot be pickled is reported by name before
 any rank starts.
@@ -12,10 +17,12 @@ from __future__ import annotations
 import ast
 import builtins
 import io
+import re
 import tokenize
 from typing import Any, Iterable, Mapping
 
 from IPython.core.error import UsageError
+from IPython.core.inputtransformer2 import TransformerManager
 
 from xla_magic import transport
 
@@ -156,18 +163,117 @@ def pickle_namespace(values: Mapping[str, Any], segments: transport.RunSegments 
 
 
 _ANALYSED_CELLS_KEPT = 128
-_analysed: dict[str, tuple[bool, frozenset[str]]] = {}
+_analysed: dict[str, tuple[bool, frozenset[str], str]] = {}
 
 
-def analyse(source: str, filename: str) -> tuple[bool, frozenset[str]]:
-    """(ends in an expression, names read) of a cell, computed once per source.
+def analyse(source: str, filename: str) -> tuple[bool, frozenset[str], str]:
+    """(ends in an expression, names read, the code the ranks run) of a cell, computed once per source.
 
-    Raises SyntaxError, pointing into the cell, when it does not compile.
+    The code is the cell itself when it is plain Python, else IPython's
+    transformation of it. Raises SyntaxError, pointing into the cell, when it
+    does not compile, and UsageError for a magic a rank must not run.
     """
     known = _analysed.get(source)
     if known is None:
-        known = (compile_cell(source, filename), frozenset(names_read(source)))
+        code = transform(source)
+        has_result = compile_cell(code, filename)
+        refuse_magics(code)
+        known = (has_result, frozenset(names_read(code) | names_in_magics(code)), code)
         if len(_analysed) >= _ANALYSED_CELLS_KEPT:
             _analysed.pop(next(iter(_analysed)))
         _analysed[source] = known
     return known
+
+
+# --- IPython syntax -------------------------------------------------------------
+
+_transformer = TransformerManager()
+
+
+def transform(source: str) -> str:
+    """The cell as Python: itself when it compiles, else IPython's transformation of it.
+
+    IPython drops a cell's leading blank lines; they are put back, so line
+    numbers in tracebacks are the cell's own.
+    """
+    try:
+        ast.parse(source)
+        return source
+    except SyntaxError:
+        pass
+    code = _transformer.transform_cell(source)
+    dropped = len(source.splitlines()) - len(code.splitlines())
+    blank = len(source) - len(source.lstrip("\n"))
+    return "\n" * min(max(dropped, 0), blank) + code
+
+
+# Magics that act on the whole Python environment: from every rank at once
+# they would race each other, and the ranks could not import what they install.
+_ENVIRONMENT_MAGICS = frozenset({"pip", "conda", "mamba", "micromamba", "uv"})
+_MAGIC_CALLS = frozenset({"run_line_magic", "run_cell_magic"})
+
+
+def magic_calls(code: str) -> list[tuple[str, ast.Call]]:
+    """``(magic name, call)`` for each ``get_ipython().run_line_magic(...)`` / ``run_cell_magic(...)`` in the code."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MAGIC_CALLS and node.args
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            found.append((node.args[0].value.lstrip("%"), node))
+    return found
+
+
+def refuse_magics(code: str) -> None:
+    """UsageError, saying what to do instead, for a magic that must not run in a rank."""
+    for name, _call in magic_calls(code):
+        if name in _ENVIRONMENT_MAGICS:
+            raise UsageError(
+                f"%{name} cannot run inside %%xla_spawn: every rank would change the same environment at "
+                f"once. Run %{name} in a cell of its own; ranks started after it (the next cell, or "
+                f"%xla_pool restart for a pool) see what it installed."
+            )
+        if name.startswith("xla_"):
+            raise UsageError(
+                f"%{name} is a magic of the kernel, not of the ranks, so it cannot run inside a "
+                f"%%xla_spawn cell. Put it in a cell of its own, before or after this one."
+            )
+
+
+# Magics whose argument is Python code run in the rank's namespace.
+_CODE_MAGICS = frozenset({"time", "timeit", "prun", "capture"})
+# What IPython expands in a magic's or shell command's line: $name, {expression}.
+_EXPANDED = re.compile(r"\$(?P<name>[A-Za-z_]\w*)|\{(?P<expression>[^{}]+)\}")
+
+
+def names_in_magics(code: str) -> set[str]:
+    """The notebook names that magics and ``!`` commands read: in code they time, and in ``$x`` / ``{x}``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        texts = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+        if node.func.attr in _MAGIC_CALLS and texts:
+            magic, *arguments = texts
+            if magic.lstrip("%") in _CODE_MAGICS:
+                names |= _names_in_code(arguments[-1] if node.func.attr == "run_cell_magic" else arguments[0])
+            texts = arguments[:1]  # a cell magic's body is not expanded
+        elif node.func.attr not in ("system", "getoutput"):
+            continue
+        for text in texts:
+            for match in _EXPANDED.finditer(text):
+                names |= {match["name"]} if match["name"] else _names_in_code(match["expression"])
+    return names
+
+
+def _names_in_code(text: str) -> set[str]:
+    """Names read by ``text`` as Python; a timing magic's options (``-n 10``) may come first."""
+    words = text.split()
+    for start in range(len(words) + 1):
+        if start and not words[start - 1].startswith("-") and not words[start - 1].isdigit():
+            break
+        try:
+            return names_read(transform(text.split(None, start)[-1] if start else text))
+        except (SyntaxError, ValueError):
+            continue
+    return set()

@@ -128,6 +128,7 @@ class Ranks:
         self.start_seconds: float | None = None
         self.cells = 0
         self.shipping = Shipping()
+        self.place: dict[str, Any] | None = None  # the kernel's directory and path, as the ranks last got them
         self.results = transport.RunSegments()  # where ranks put large results and pulled values
         self.store: str | None = None  # the gloo store's directory, for the set's life
         self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
@@ -463,3 +464,12 @@ class Ranks:
             f"{self.state}: {where}, up {uptime:.0f} s, {self.cells} cell(s) run; "
             f"{processes} {pids or 'unknown'}"
         )
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (state T), as /proc says."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False

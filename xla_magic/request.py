@@ -5,7 +5,7 @@ with their job), a pool's start, a pool cell, a push or a pull. It runs in
 the thread that runs the cell, so output lands in the running cell and
 Ctrl-C / the stop button arrive here as KeyboardInterrupt: events and raw
 output from every rank, fail-fast, interrupt and timeout escalation,
-results, and what a rank asks to display (DISPLAY, e.g. a sharding picture).
+results, and what a rank asks to display (DISPLAY: rank_display.py).
 The set's placement names its ranks in output and errors (``[rank N]``, or
 ``[spmd]`` for the one SPMD process).
 
@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol, sharding, transport
+from xla_magic import protocol, rank_display, transport
 from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
-from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
+from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit, process_stopped
 from xla_magic.record import RankState, RunRecord
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
@@ -230,7 +230,7 @@ class Request:
         """A rank stopped by SIGSTOP/SIGTSTP would hang the cell in silence: say so, once."""
         running = {rank: self.ranks.pids[rank] for rank in self._unsettled() if rank in self.ranks.pids}
         for pid in set(running.values()):
-            stopped = _process_stopped(pid)
+            stopped = process_stopped(pid)
             ranks = [rank for rank, owner in running.items() if owner == pid]
             if stopped and pid not in self.stopped_pids:
                 self.stopped_pids.add(pid)
@@ -361,24 +361,12 @@ class Request:
         """Display what a rank asked to show, after the output it wrote before asking; then let it go on."""
         self._drain([self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
         try:
-            self._display(rank, fields.get("what"), fields.get("data"))
+            rank_display.show(self.ranks.label(rank), fields.get("what"), fields.get("data"))
         finally:
             try:
                 self.ranks.send(rank, protocol.encode(protocol.SHOWN))
             except OSError:
                 pass  # the rank is gone; its events socket says so
-
-    def _display(self, rank: int, what: Any, data: Any) -> None:
-        from IPython.display import display
-
-        view = VIEWS.get(what)
-        if view is None:
-            print(f"[{self.ranks.label(rank)}] (nothing to show for {what!r})")
-            return
-        try:
-            display(view(data))
-        except Exception as exc:  # a bad description must not end the request
-            print(f"[{self.ranks.label(rank)}] could not show {what}: {type(exc).__name__}: {exc}")
 
     def _handle_supervisor(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == protocol.SPAWNED:
@@ -603,18 +591,6 @@ class Request:
         return RankError(list(self.failures.values()), dict(self.results), summary, label=self.ranks.label)
 
 
-# What a rank may ask the kernel to display (protocol.DISPLAY's ``what``), and the view that draws it.
-VIEWS: dict[str, Callable[[Any], Any]] = {"sharding": sharding.ShardingView}
-
-
 def _listed(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
-
-def _process_stopped(pid: int) -> bool:
-    """Whether a process is stopped by a signal (state T), as /proc says."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, probe, protocol, sharding, transport, xla_report
+from xla_magic import payload, place, probe, protocol, sharding, transport, xla_report
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
 from xla_magic.ranks import Ranks
@@ -152,15 +152,19 @@ class Session:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         run_id = self.next_run_id()
         filename = f"<xla_spawn cell {run_id}>"
-        has_result, names = payload.analyse(cell, filename)
+        has_result, names, code = payload.analyse(cell, filename)
         values = payload.select_names(names, user_ns, hidden)
+        here = place.current()
         delivered = False
         try:
             shipping, changed = ranks.shipping.fields(values)
             seq = ranks.next_seq()
+            # With IPython syntax the ranks run its transformation (``code``) and show the cell's lines.
+            transformed = {"code": code} if code != cell else {}
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
                                     has_result=has_result, results_to=ranks.results.prefix,
-                                    xla_report=report != "off", **shipping)
+                                    xla_report=report != "off", **transformed, **place.changed(here, ranks.place),
+                                    **shipping)
             launching = ranks.state == "starting"
             record = self._record(run_id, cell, ranks)
             record.xla_report = report
@@ -181,6 +185,7 @@ class Session:
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)
+                    ranks.place = here
                     ranks.cells += 1
         finally:
             ranks.shipping.settle(delivered)

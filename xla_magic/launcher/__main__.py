@@ -58,6 +58,9 @@ def _import_runtime() -> dict[str, str]:
     import torch_xla.runtime  # noqa: F401
 
     import xla_magic.launcher.backends  # noqa: F401
+    from xla_magic.launcher import shell
+
+    shell.warm()  # each rank's IPython shell then costs milliseconds, when a cell first uses it
 
     return {"torch": torch.__version__, "torch_xla": torch_xla.__version__}
 

@@ -20,6 +20,7 @@ Every rank runs serve.serve(); a job with a ``first`` request is one-shot
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -85,9 +86,22 @@ def _apply_environment(changes: dict[str, Any]) -> None:
     os.environ.update(changes["set"])
 
 
+# matplotlib's backend in ranks, as ipykernel sets it in a notebook: figures
+# become image/png display data (shell.py) instead of windows.
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+_HAS_INLINE_BACKEND = importlib.util.find_spec("matplotlib_inline") is not None
+
+
 def _rank_environment(world: dict[str, Any] | None = None) -> None:
     for name in STALE_TPU_VARIABLES:
         os.environ.pop(name, None)
+    if _HAS_INLINE_BACKEND:
+        os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)  # unless the user chose one
+    # A notebook kernel sets FORCE_COLOR, which tells rich (Lightning's progress
+    # bar where rich is installed) that it writes to a terminal: it would then
+    # redraw with cursor moves that a cell's output cannot show. Not interactive,
+    # rich prints each bar's final state, as it does into a file.
+    os.environ.setdefault("TTY_INTERACTIVE", "0")
     if world:  # several hosts: a user's own process group meets on host 0
         os.environ.setdefault("MASTER_ADDR", world["store_address"])
         return

@@ -19,7 +19,9 @@ the cell of the request being answered and nothing else. Output goes
 through capture.py. Results and pulled values travel with large tensors
 and arrays in shared memory, under the prefix the request names. A cell
 can have the kernel display something (``show_sharding`` in an SPMD
-process): a DISPLAY event, answered by SHOWN once it is shown.
+process, or anything its IPython shell displays: shell.py): a DISPLAY
+event, answered by SHOWN once it is shown. A cell runs in the kernel's
+directory, with the kernel's sys.path (place.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import types
 from typing import Any, Callable, Iterator
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, xla_account
+from xla_magic.launcher import capture, interrupt, lifetime, place, rank as rank_module, shell, xla_account
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -130,12 +132,17 @@ class CompiledCells:
         self._kept = kept
         self._cells: dict[str, tuple[str, types.CodeType, types.CodeType | None]] = {}
 
-    def get(self, source: str, filename: str) -> tuple[str, types.CodeType, types.CodeType | None]:
-        """(filename the code was compiled under, body, last expression or None)."""
+    def get(
+        self, source: str, filename: str, code: str | None = None
+    ) -> tuple[str, types.CodeType, types.CodeType | None]:
+        """(filename the code was compiled under, body, last expression or None).
+
+        ``code`` is the cell as Python when it has IPython syntax; tracebacks show the cell's own lines.
+        """
         cell = self._cells.get(source)
         if cell is None:
             rank_module.register_source(source, filename)
-            cell = (filename, *rank_module.compile_cell(source, filename))
+            cell = (filename, *rank_module.compile_cell(code or source, filename))
             if len(self._cells) >= self._kept:
                 self._cells.pop(next(iter(self._cells)))
             self._cells[source] = cell
@@ -171,6 +178,8 @@ class RankServer:
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         rank_module.set_display(self.display)
+        self.home = shell.Home(self.namespace)  # its IPython shell, made on first use
+        shell.enter(self.home)
         self._filename = "<xla_pool>"
         self._serving = ""  # the cell being served, or the last one, for errors outside it
         self._idle_failure: BaseException | None = None  # raised between requests, told with the next
@@ -302,20 +311,28 @@ class RankServer:
 
     def run_cell(self, fields: dict[str, Any]) -> bytes:
         seq = fields["seq"]
-        plain, objects = self.shipped.values_for(fields)
+        if "place" in fields:  # before loading names: a shipped function may import the user's module
+            place.apply(fields["place"])
+        try:
+            plain, objects = self.shipped.values_for(fields)
+        except ModuleNotFoundError as exc:  # a notebook value pickled with a module by its name
+            raise place.PlaceError(
+                f"the notebook's values that this cell reads need the module {exc.name!r}, which this rank "
+                f"cannot import: put its directory on the kernel's sys.path (the ranks follow it), or "
+                f"import it inside the cell"
+            ) from None
         self.namespace.update(plain)
         if objects:
             rank_module.bind_rank_names(objects, self.rank_names)
             self.namespace.update(objects)
         self.namespace.update(self.rank_names)  # a cell may have rebound ``rank``
-        self._filename, body, last = self.cells.get(fields["source"], fields["filename"])
+        self._filename, body, last = self.cells.get(fields["source"], fields["filename"], fields.get("code"))
         memory = rank_module.MemoryReporter(self.channel, self.device) if self.reports_memory else None
         if memory is not None:
             memory.start()
         try:
             with self._accounted(fields), interrupt.Cell():
-                exec(body, self.namespace)
-                value = eval(last, self.namespace) if last is not None else None
+                value = self.home.run(fields["source"], body, last)
             if self.closing is not None:
                 self.closing()
         finally:
@@ -399,7 +416,8 @@ class RankServer:
             seq=seq,
             type=type(exc).__name__,
             message=rank_module.exception_message(exc),
-            traceback=rank_module.format_error(exc, self._filename) if with_traceback else "",
+            traceback=rank_module.format_error(exc, self._filename)
+            if with_traceback and not isinstance(exc, place.PlaceError) else "",
         )
 
 

@@ -1,0 +1,66 @@
+"""The kernel's working directory and sys.path, applied in a rank. Runs in a rank (process or thread).
+
+A cell's request carries the kernel's place when it changed (see the kernel
+side, xla_magic/place.py): its directory, and the entries of its sys.path
+that are the user's. The rank moves there and adds the entries it lacks:
+those the kernel has ahead of every entry the two share go in front, the
+others at the end, so ``sys.path.insert(0, ...)`` and
+``sys.path.append(...)`` in the kernel keep their meaning. Entries added for
+an earlier request that the kernel has since dropped are removed again;
+what a cell added itself stays.
+
+Both are per process: on the tpu launch path several rank threads share one
+process, and each applies the same place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_added: list[str] = []  # sys.path entries this process added for the kernel
+
+
+class PlaceError(Exception):
+    """What the cell needs of the kernel's place (its directory, its modules) is not here: the message says what to do."""
+
+
+def apply(place: dict[str, Any]) -> None:
+    """Move to the kernel's directory and bring its sys.path entries in (PlaceError if the directory is not here)."""
+    with _lock:
+        cwd = place.get("cwd")
+        if cwd is not None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                raise PlaceError(
+                    f"the kernel's working directory {cwd} cannot be used here (on {socket.gethostname()}): "
+                    f"{exc.strerror}. The cell runs in the kernel's directory; %cd to one that exists "
+                    f"for the ranks too."
+                ) from None
+        _set_path(list(place.get("path", ())))
+        importlib.invalidate_caches()  # a relative entry ('') now means another directory
+
+
+def _set_path(kernel: list[str]) -> None:
+    global _added
+    own = [entry for entry in sys.path if entry not in _added]
+    shared = [index for index, entry in enumerate(kernel) if entry in own]
+    split = shared[0] if shared else len(kernel)
+    front = _missing(kernel[:split], own)
+    back = _missing(kernel[split:], own + front)
+    sys.path[:] = front + own + back
+    _added = front + back
+
+
+def _missing(entries: list[str], present: list[str]) -> list[str]:
+    missing: list[str] = []
+    for entry in entries:
+        if entry not in present and entry not in missing:
+            missing.append(entry)
+    return missing
