@@ -255,6 +255,26 @@ def test_a_users_mplbackend_is_kept(ip, monkeypatch):
     assert value == ["agg"]
 
 
+def test_a_rich_progress_bar_prints_its_final_state_not_cursor_moves(ip, monkeypatch):
+    """A notebook kernel sets FORCE_COLOR: rich would redraw with cursor moves; ranks make it print once."""
+    pytest.importorskip("rich")
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    cell = ("from rich.progress import Progress\n"
+            "with Progress() as bars:\n"
+            "    for name in ('train', 'check'):\n"
+            "        task = bars.add_task(f'{name} {rank}', total=3)\n"
+            "        for _ in range(3):\n"
+            "            bars.advance(task)\n")
+    _, captured = run(ip, "--devices 2", cell)
+    assert "\x1b[1A" not in captured.stdout and "\r" not in captured.stdout  # no cursor up, no rewrites
+    for rank in range(2):
+        for name in ("train", "check"):
+            assert re.search(rf"\[rank {rank}\] .*{name} {rank}.*100%", captured.stdout), captured.stdout
+    monkeypatch.setenv("TTY_INTERACTIVE", "1")  # the user's own setting wins
+    value, _ = run(ip, "--devices 1", "import os\nos.environ['TTY_INTERACTIVE']")
+    assert value == ["1"]
+
+
 def test_a_ranks_widget_is_shown_as_text_with_a_note(ip):
     pytest.importorskip("ipywidgets")
     cell = "import ipywidgets\ndisplay(ipywidgets.IntSlider(value=rank))\nprint('done')"
