@@ -87,10 +87,29 @@ def test_a_pool_follows_the_kernels_directory_and_keeps_its_own_chdir_until_it_c
         sys.modules.pop("later", None)
 
 
+def test_a_pool_follows_the_kernels_environment_and_keeps_a_cells_own_until_it_changes(ip, monkeypatch):
+    read = "import os\n(os.environ.get('XLA_MAGIC_TRY'), os.environ.get('XLA_MAGIC_OWN'))"
+    monkeypatch.delenv("XLA_MAGIC_TRY", raising=False)
+    ip.run_line_magic("xla_pool", "start --devices 2")
+    try:
+        assert run(ip, "", read)[0] == [(None, None)] * 2
+        os.environ["XLA_MAGIC_TRY"] = "1"  # set after the ranks started: it reaches them at the next cell
+        assert run(ip, "", read)[0] == [("1", None)] * 2
+        assert run(ip, "", f"os.environ['XLA_MAGIC_OWN'] = str(rank)\n{read}")[0] == [("1", "0"), ("1", "1")]
+        assert run(ip, "", read)[0] == [("1", "0"), ("1", "1")]  # a cell's own variable stays
+        os.environ["XLA_MAGIC_TRY"] = "2"
+        assert run(ip, "", read)[0] == [("2", "0"), ("2", "1")]
+        del os.environ["XLA_MAGIC_TRY"]  # undone in the kernel: undone in the ranks
+        assert run(ip, "", read)[0] == [(None, "0"), (None, "1")]
+    finally:
+        ip.run_line_magic("xla_pool", "stop")
+        os.environ.pop("XLA_MAGIC_TRY", None)
+
+
 def test_a_directory_the_ranks_cannot_enter_is_an_error_naming_it(ip, kernel_place, monkeypatch):
     # As on another host: the kernel's directory is not there for the ranks.
     missing = str(kernel_place / "only-on-the-kernels-host")
-    monkeypatch.setattr(place, "current", lambda: {"cwd": missing, "path": ()})
+    monkeypatch.setattr(place, "current", lambda environment=None: {"cwd": missing, "path": ()})
     with pytest.raises(Exception) as info:
         run(ip, "--devices 2", "1")
     message = "\n".join(info.value._render_traceback_())
@@ -100,7 +119,7 @@ def test_a_directory_the_ranks_cannot_enter_is_an_error_naming_it(ip, kernel_pla
 
 def test_a_notebook_function_whose_module_the_ranks_cannot_import_is_an_error_naming_it(ip, kernel_place, monkeypatch):
     ip.run_cell("import mymodel\ndef helper(x):\n    return mymodel.f(x)")
-    monkeypatch.setattr(place, "current", lambda: {"cwd": str(kernel_place), "path": ()})  # the path stays behind
+    monkeypatch.setattr(place, "current", lambda environment=None: {"cwd": str(kernel_place), "path": ()})  # the path stays behind
     with pytest.raises(Exception) as info:
         run(ip, "--devices 2", "helper(rank)")
     message = "\n".join(info.value._render_traceback_())

@@ -1,4 +1,4 @@
-"""Where a cell runs: the kernel's working directory and the kernel's sys.path. Runs in the kernel.
+"""Where a cell runs: the kernel's working directory, sys.path and environment. Runs in the kernel.
 
 A notebook cell reads ``data.csv`` from the kernel's directory and imports
 the user's modules from the kernel's ``sys.path``; so do its ranks. Every
@@ -6,8 +6,8 @@ cell's request carries both when they changed since that set of ranks last
 got them (always, for new ranks), and a rank applies them before it loads
 the names the cell reads (launcher/place.py): a notebook function that uses
 the user's module is unpickled by the module's name. A pool cell's own
-``os.chdir`` therefore lasts until the kernel's directory changes, as a
-cell's own environment variables do.
+``os.chdir`` therefore lasts until the kernel's directory changes, and a
+cell's own environment variable until the kernel changes that variable.
 
 Only the user's entries of ``sys.path`` travel: the kernel's interpreter
 directories (its standard library and site-packages) are the launcher's
@@ -24,9 +24,16 @@ import sysconfig
 from typing import Any
 
 
-def current() -> dict[str, Any]:
-    """The kernel's place now: ``{"cwd": ..., "path": (...)}`` (no cwd if the kernel's was removed)."""
+def current(environment: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The kernel's place now: ``{"cwd": ..., "path": (...), "env": ...}`` (no cwd if the kernel's was removed).
+
+    ``environment`` is how the kernel's environment differs from the
+    launcher's (Launcher.environment_changes): new ranks get it with their
+    job, a pool's ranks with the next cell after it changes.
+    """
     place: dict[str, Any] = {"path": user_path(tuple(sys.path))}
+    if environment is not None:
+        place["env"] = environment
     try:
         place["cwd"] = os.getcwd()
     except OSError:  # the kernel's own directory was removed: the ranks keep theirs

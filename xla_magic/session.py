@@ -154,7 +154,7 @@ class Session:
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell, filename)
         values = payload.select_names(names, user_ns, hidden)
-        here = place.current()
+        here = place.current(self.launcher.environment_changes() if self.launcher is not None else None)
         delivered = False
         try:
             shipping, changed = ranks.shipping.fields(values)

@@ -1,4 +1,4 @@
-"""The kernel's working directory and sys.path, applied in a rank. Runs in a rank (process or thread).
+"""The kernel's working directory, sys.path and environment, applied in a rank. Runs in a rank (process or thread).
 
 A cell's request carries the kernel's place when it changed (see the kernel
 side, xla_magic/place.py): its directory, and the entries of its sys.path
@@ -7,7 +7,9 @@ those the kernel has ahead of every entry the two share go in front, the
 others at the end, so ``sys.path.insert(0, ...)`` and
 ``sys.path.append(...)`` in the kernel keep their meaning. Entries added for
 an earlier request that the kernel has since dropped are removed again;
-what a cell added itself stays.
+what a cell added itself stays. Environment variables the kernel set or
+unset since the launcher started are set or unset here, and put back when
+the kernel undoes them.
 
 Both are per process: on the tpu launch path several rank threads share one
 process, and each applies the same place.
@@ -24,6 +26,7 @@ from typing import Any
 
 _lock = threading.Lock()
 _added: list[str] = []  # sys.path entries this process added for the kernel
+_env_before: dict[str, str | None] = {}  # variables set for the kernel -> their value before (None: unset)
 
 
 class PlaceError(Exception):
@@ -45,6 +48,26 @@ def apply(place: dict[str, Any]) -> None:
                 ) from None
         _set_path(list(place.get("path", ())))
         importlib.invalidate_caches()  # a relative entry ('') now means another directory
+        if "env" in place:
+            _set_environment(place["env"])
+
+
+def _set_environment(changes: dict[str, Any]) -> None:
+    """The kernel's changes to its environment, here; one it has since undone is undone here too."""
+    wanted: dict[str, str | None] = dict(changes["set"])
+    wanted.update((name, None) for name in changes["unset"])
+    for name in [name for name in _env_before if name not in wanted]:
+        _put(name, _env_before.pop(name))
+    for name, value in wanted.items():
+        _env_before.setdefault(name, os.environ.get(name))
+        _put(name, value)
+
+
+def _put(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _set_path(kernel: list[str]) -> None:
