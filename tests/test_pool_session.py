@@ -11,6 +11,7 @@ error, never a bare exit code.
 from __future__ import annotations
 
 import ast
+import ctypes
 import os
 import re
 import signal
@@ -213,3 +214,51 @@ def test_on_the_tpu_launch_path_a_pool_keeps_what_its_rank_threads_start_and_its
     finally:
         pool_magic(ip, "stop")
     assert gone(pids), [p for p in pids if psutil.pid_exists(p)]
+
+
+DETACHING = """%%xla_spawn
+import os, subprocess, time, psutil
+helper = subprocess.Popen(['sleep', '300'], start_new_session=True)
+if os.fork() == 0:  # a daemon: fork, setsid, fork again, the middle one exits
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(300)
+    os._exit(0)
+while len([p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]) < 2:
+    time.sleep(0.01)  # until the daemon is ours (re-parented to this rank)
+sorted(p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
+"""
+
+
+def orphans_come_here(on: bool) -> None:
+    """Make this process a child subreaper, or stop it being one.
+
+    Orphans then come here instead of to the machine's init, which on some
+    hosts (sandboxes, CI runners) ends them itself and so would hide a leak.
+    """
+    ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def test_what_a_pool_keeps_ends_with_a_killed_kernel_however_it_detached():
+    orphans_come_here(True)
+    kernel = Kernel()
+    kept: set[int] = set()
+    try:
+        kernel.run("%load_ext xla_magic")
+        reply, text = kernel.run("%xla_pool start --devices 2 --backend cpu")
+        assert reply["status"] == "ok", text
+        reply, text = kernel.run(DETACHING)
+        assert reply["status"] == "ok", text
+        kept = {pid for per_rank in ast.literal_eval(text[text.rindex("[["):]) for pid in per_rank}
+        assert len(kept) == 4 and all(psutil.pid_exists(pid) for pid in kept)
+        os.kill(kernel.pid, signal.SIGKILL)
+        assert gone(kept), [p for p in kept if psutil.pid_exists(p)]
+    finally:
+        kernel.close()
+        orphans_come_here(False)
+        for pid in kept:  # what a failure left, now our children
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass

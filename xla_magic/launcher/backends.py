@@ -4,7 +4,8 @@ The supervisor leads a new process group (so the kernel can signal the whole
 run at once), dies with the launcher, and reports each rank's exit to the
 kernel on its own socket. It is a child subreaper: once its ranks are gone
 it ends every process they left behind, however they detached, and only
-then says ENDED (see lifetime.py).
+then says ENDED (see lifetime.py). When the launcher dies (with the
+kernel) it does the same before it goes.
 
 Every rank runs serve.serve(); a job with a ``first`` request is one-shot
 (its ranks answer that request and leave), one without is a pool.
@@ -48,8 +49,11 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
     try:
         _apply_environment(job["environment"])
         os.setsid()
-        lifetime.die_with_parent(launcher_pid)
+        # Not SIGKILL: as their subreaper, the supervisor first ends what its
+        # ranks started (a pool keeps what its cells start), then goes.
         _supervisor_pid = os.getpid()
+        signal.signal(signal.SIGHUP, _launcher_gone)
+        lifetime.die_with_parent(launcher_pid, signal.SIGHUP)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # ranks handle interrupts
         # The kernel's SIGTERM to the run's group is for the ranks: the
@@ -75,6 +79,16 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
             pass
     finally:
         os._exit(code)
+
+
+def _launcher_gone(signum: int, frame: Any) -> None:
+    """The launcher died (and so the kernel, most likely): end every process below us, then go."""
+    if os.getpid() != _supervisor_pid:  # a rank process, which inherited this handler: SIGHUP as ever
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGHUP)
+        return
+    lifetime.end_descendants()
+    os._exit(1)
 
 
 def _apply_environment(changes: dict[str, Any]) -> None:
