@@ -187,7 +187,11 @@ def figures():
 def test_the_setup_and_suite_figures_are_the_measured_ones(figures):
     """README's figures are docs/figures.py's rendering of its last measurement, and the counts are today's."""
     import json
+    import os
     import sys
+
+    if os.environ.get("XLA_MAGIC_RESULTS"):
+        pytest.skip("this run is the measurement (docs/figures.py --measure) that writes the figures")
 
     measured = json.loads(figures.FIGURES.read_text())
     assert figures.section_in(readme()) == figures.render(measured), (
