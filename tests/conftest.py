@@ -7,6 +7,7 @@ honest: that is exactly how a notebook uses it, and it keeps the suite fast.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,13 @@ from IPython.utils.capture import capture_output
 # gloo and the XLA runtime open ports of their own; keep them on loopback.
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+# The interrupt tests press the stop button as a kernel receives it: SIGINT,
+# raised as KeyboardInterrupt. A test run started in the background (nohup,
+# `cmd &` in a script) inherits SIGINT ignored, and Python then keeps it so:
+# those tests would wait forever for an interrupt that never comes.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass
