@@ -45,7 +45,11 @@ END = "<!-- figures:end -->"
 
 def measure() -> dict[str, Any]:
     """A newcomer's first `make demo` and `make test`, in a fresh HOME; what they took and left."""
-    home = Path(tempfile.mkdtemp(prefix="xla_magic-fresh-home-"))
+    # Not under /tmp: the simulated hosts (tests/test_hosts.py) each have a
+    # /tmp of their own, and must see the venvs as another host would.
+    cache = Path.home() / ".cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="xla_magic-fresh-home-", dir=cache))
     results = home / "results"
     env = {**os.environ, "HOME": str(home), "XLA_MAGIC_RESULTS": str(results)}
     for name in ("XLA_MAGIC_VENV", "XLA_MAGIC_CACHE", "UV_CACHE_DIR"):
