@@ -198,7 +198,7 @@ class HostsPool:
         self.check_usable()
         import cloudpickle
 
-        _, names = payload.analyse(cell, "<xla_spawn cell>")
+        _, names, _ = payload.analyse(cell, "<xla_spawn cell>")  # checked here, run by each host's session
         values = payload.select_names(names, user_ns, hidden)
         try:
             blob = cloudpickle.dumps(values)  # once, for every host
