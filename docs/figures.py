@@ -6,6 +6,7 @@ imports it to check that the README's block is this file's rendering of
 now.
 
     python docs/figures.py --measure   # on a fresh HOME: make demo, make test; then write both
+    python docs/figures.py --measure --stacks colab   # measure one stack again, into the last figures
     python docs/figures.py             # rewrite README.md's block from docs/figures.json
     python docs/figures.py --check     # exit 1 if README.md's block is stale
 
@@ -43,17 +44,43 @@ END = "<!-- figures:end -->"
 # --- measuring -------------------------------------------------------------------
 
 
-def measure() -> dict[str, Any]:
-    """A newcomer's first `make demo` and `make test`, in a fresh HOME; what they took and left."""
+def measure_stacks(figures: dict[str, Any], stacks: list[str]) -> dict[str, Any]:
+    """``figures`` with these stacks measured again, alone, each from a fresh HOME (set-up included)."""
+    for stack in stacks:
+        home, results = _fresh_home()
+        env = _environment(home, results)
+        try:
+            timed(["make", "test", f"STACKS={stack}"], env, check=False)
+            figures["stacks"][stack] = stack_figures(results, stack)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+        figures.setdefault("measured_again", [])
+        if stack not in figures["measured_again"]:
+            figures["measured_again"].append(stack)
+    figures["test_seconds"] = sum(s["setup_seconds"] + s["test_seconds"] for s in figures["stacks"].values())
+    return figures
+
+
+def _fresh_home() -> tuple[Path, Path]:
     # Not under /tmp: the simulated hosts (tests/test_hosts.py) each have a
     # /tmp of their own, and must see the venvs as another host would.
     cache = Path.home() / ".cache"
     cache.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="xla_magic-fresh-home-", dir=cache))
-    results = home / "results"
+    return home, home / "results"
+
+
+def _environment(home: Path, results: Path) -> dict[str, str]:
     env = {**os.environ, "HOME": str(home), "XLA_MAGIC_RESULTS": str(results)}
     for name in ("XLA_MAGIC_VENV", "XLA_MAGIC_CACHE", "UV_CACHE_DIR"):
         env.pop(name, None)
+    return env
+
+
+def measure() -> dict[str, Any]:
+    """A newcomer's first `make demo` and `make test`, in a fresh HOME; what they took and left."""
+    home, results = _fresh_home()
+    env = _environment(home, results)
     try:
         demo = timed(["make", "demo"], env)
         suite = timed(["make", "test"], env, check=False)
@@ -146,6 +173,9 @@ def render(figures: dict[str, Any]) -> str:
         for stack, s in ((stack, stacks[stack]) for stack in STACKS)
     )
     reasons = sorted({reason for stack in STACKS for reason in stacks[stack]["skip_reasons"]})
+    again = figures.get("measured_again", [])
+    again = (f" (the {', '.join(again)} stack{'s' if len(again) > 1 else ''} measured again alone, "
+             f"also from a fresh HOME, after a fix to a test)") if again else ""
     skips = ("Skipped, with pytest's reason:\n\n" + "\n".join(f"- {reason}" for reason in reasons)
              if reasons else "Nothing was skipped.")
     return f"""{START}
@@ -153,7 +183,7 @@ Measured by `python docs/figures.py --measure` on {figures['date']}, on this
 {figures['cpus']}-core machine with a fresh HOME (nothing cached: uv, the
 packages and every venv downloaded and made from scratch): `make demo` took
 {minutes(figures['demo_seconds'])}, and `make test` then took {minutes(figures['test_seconds'])}, of which
-{minutes(set_up)} made the three stacks' venvs. `~/.cache/xla_magic` then held
+{minutes(set_up)} made the three stacks' venvs{again}. `~/.cache/xla_magic` then held
 {figures['cache_bytes'] / 2**30:.1f} GiB: uv's package cache, whose files the three venvs share as
 hardlinks (`du` counts each once), with one copy of torch 2.9.0 and one of
 Kaggle's torch 2.8.0, each with the CUDA libraries that PyPI's Linux torch
@@ -186,10 +216,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure on a fresh HOME first (slow)")
     parser.add_argument("--check", action="store_true", help="exit 1 if README.md's block is stale")
+    parser.add_argument("--stacks", nargs="+", choices=STACKS, metavar="STACK",
+                        help="with --measure: measure only these stacks again, into the last figures")
     args = parser.parse_args()
-    if args.measure:
-        figures = measure()
-        FIGURES.write_text(json.dumps(figures, indent=2) + "\n")
+    if args.measure and args.stacks:
+        FIGURES.write_text(json.dumps(measure_stacks(json.loads(FIGURES.read_text()), args.stacks), indent=2) + "\n")
+    elif args.measure:
+        FIGURES.write_text(json.dumps(measure(), indent=2) + "\n")
     figures = json.loads(FIGURES.read_text())
     if args.check:
         sys.exit(0 if section_in(README.read_text(encoding="utf-8")) == render(figures) else 1)
