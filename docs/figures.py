@@ -175,7 +175,8 @@ def render(figures: dict[str, Any]) -> str:
     reasons = sorted({reason for stack in STACKS for reason in stacks[stack]["skip_reasons"]})
     again = figures.get("measured_again", [])
     again = (f" (the {', '.join(again)} stack{'s' if len(again) > 1 else ''} measured again alone, "
-             f"also from a fresh HOME, after a fix to a test)") if again else ""
+             f"each from a fresh HOME of its own, so each set-up downloaded its packages again, "
+             f"after a change to their tests)") if again else ""
     skips = ("Skipped, with pytest's reason:\n\n" + "\n".join(f"- {reason}" for reason in reasons)
              if reasons else "Nothing was skipped.")
     return f"""{START}
@@ -183,7 +184,8 @@ Measured by `python docs/figures.py --measure` on {figures['date']}, on this
 {figures['cpus']}-core machine with a fresh HOME (nothing cached: uv, the
 packages and every venv downloaded and made from scratch): `make demo` took
 {minutes(figures['demo_seconds'])}, and `make test` then took {minutes(figures['test_seconds'])}, of which
-{minutes(set_up)} made the three stacks' venvs{again}. `~/.cache/xla_magic` then held
+{minutes(set_up)} went to making venvs (`make demo` had made the current stack's){again}.
+`~/.cache/xla_magic` then held
 {figures['cache_bytes'] / 2**30:.1f} GiB: uv's package cache, whose files the three venvs share as
 hardlinks (`du` counts each once), with one copy of torch 2.9.0 and one of
 Kaggle's torch 2.8.0, each with the CUDA libraries that PyPI's Linux torch
