@@ -29,12 +29,17 @@ def section(title: str) -> str:
     return match.group(1)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    spec = importlib.util.spec_from_file_location("magic_reference", ROOT / "docs" / "magic_reference.py")
+def doc_script(name: str):
+    """One of docs/'s generators (a script, not a package module), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return doc_script("magic_reference")
 
 
 def test_readme_opens_with_the_two_commands():
@@ -178,10 +183,7 @@ def test_the_first_example_shows_what_it_prints(spawn):
 
 @pytest.fixture(scope="module")
 def figures():
-    spec = importlib.util.spec_from_file_location("figures", ROOT / "docs" / "figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return doc_script("figures")
 
 
 def test_the_setup_and_suite_figures_are_the_measured_ones(figures):
