@@ -207,19 +207,8 @@ def test_timeout_stops_every_host(ip, pool):
 
 def test_a_killed_engine_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, pool, hosts):
     engine = pool.engine_pids[1]
-    source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
-
-    def kill_when_running() -> None:
-        stdout = sys.stdout
-        deadline = time.monotonic() + 120
-        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(engine, signal.SIGKILL)
-
-    with capture_output():
-        threading.Thread(target=kill_when_running, daemon=True).start()
-        with pytest.raises(RankError) as raised:
-            ip.run_cell_magic("xla_spawn", "", source)
+    with pytest.raises(RankError) as raised:
+        kill_once_every_rank_waits(ip, engine)
     assert f"host h1 ({hosts.address(1)})" in raised.value.summary and "died" in raised.value.summary
     assert "%xla_pool restart" in raised.value.summary
     with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
@@ -232,23 +221,11 @@ def test_a_killed_engine_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, 
     assert cell(ip, "rank")[0] == list(range(WORLD))
 
 
-
 def test_a_dead_launcher_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, pool, hosts):
     session = ip._xla_magic_session
     launcher = next(row for row in session.hosts.status() if row["index"] == 0)["launcher"]["pid"]
-    source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
-
-    def kill_when_running() -> None:
-        stdout = sys.stdout
-        deadline = time.monotonic() + 120
-        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(launcher, signal.SIGKILL)  # its ranks die with it
-
-    with capture_output():
-        threading.Thread(target=kill_when_running, daemon=True).start()
-        with pytest.raises(RankError) as raised:
-            ip.run_cell_magic("xla_spawn", "", source)
+    with pytest.raises(RankError) as raised:
+        kill_once_every_rank_waits(ip, launcher)  # its ranks die with it
     summary = raised.value.summary
     assert f"host h0 ({hosts.address(0)})" in summary and "launcher" in summary and "%xla_pool restart" in summary
     with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
@@ -257,6 +234,7 @@ def test_a_dead_launcher_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, 
         ip.run_line_magic("xla_pool", "restart")
     assert "pool ready" in shown.stdout
     assert cell(ip, "rank")[0] == list(range(WORLD))
+
 
 def wait_until_empty_of(hosts, index: int, within: float = 60.0) -> list[int]:
     deadline = time.monotonic() + within
@@ -298,3 +276,19 @@ def test_bad_host_options_are_usage_errors(ip):
         ip.run_line_magic("xla_pool", "start --launch 'ssh {host}'")
     with pytest.raises(UsageError, match="go with %xla_pool start and restart only"):
         ip.run_line_magic("xla_pool", "stop --hosts 10.213.250.2")
+
+
+def kill_once_every_rank_waits(ip, pid: int) -> None:
+    """Run a cell whose every rank prints 'waiting' and spins; SIGKILL ``pid`` once all have printed it."""
+    source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
+
+    def kill_when_running() -> None:
+        stdout = sys.stdout
+        deadline = time.monotonic() + 120
+        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+    with capture_output():
+        threading.Thread(target=kill_when_running, daemon=True).start()
+        ip.run_cell_magic("xla_spawn", "", source)
