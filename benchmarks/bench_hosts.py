@@ -57,7 +57,7 @@ def measure(shell: Any, hosts: Any) -> dict[str, float]:
     quietly(lambda: shell.run_line_magic("xla_pool", start_line(hosts)))()
     try:
         ours = median_round_trip(quietly(lambda: shell.run_cell_magic("xla_spawn", "", TRIVIAL)))
-        pool = shell._xla_magic_session.hosts
+        pool = shell._xla_magic_session.pool
         pool.client[pool.engines].activate()  # %%px on this shell, on the pool's own engines
         theirs = median_round_trip(quietly(lambda: shell.run_cell_magic("px", "--block", TRIVIAL)))
     finally:

@@ -9,6 +9,6 @@ shell = start_ipython()
 shell.run_line_magic("load_ext", "xla_magic")
 shell.run_line_magic("xla_pool", sys.argv[1])
 assert shell.run_cell_magic("xla_spawn", "", "rank") == list(range(4))
-pool = shell._xla_magic_session.hosts
+pool = shell._xla_magic_session.pool
 print("READY", pool.cluster.controller.process.pid, flush=True)
 sys.stdin.read()  # until killed

@@ -216,7 +216,7 @@ def pool_processes(ip) -> set[int]:
     pool = ip._xla_magic_session.pool
     if pool is None or pool.state in ("broken", "stopped"):
         return set()
-    return {pool.supervisor_pid, *pool.pids.values()}
+    return {pool.ranks.supervisor_pid, *pool.pids.values()}
 
 
 def assert_gone(pids: set[int]) -> None:

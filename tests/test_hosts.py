@@ -36,7 +36,7 @@ def pool(ip, hosts):
         ip.run_line_magic("xla_pool", start_line(hosts))
     assert "pool ready" in shown.stdout and "2 hosts x 2 ranks" in shown.stdout
     try:
-        yield ip._xla_magic_session.hosts
+        yield ip._xla_magic_session.pool
     finally:
         ip.run_line_magic("xla_pool", "stop")
 
@@ -153,7 +153,7 @@ def test_status_shows_each_host_with_its_engine_launcher_and_ranks(ip, pool, hos
 def test_the_kernel_and_every_engine_stay_xla_free(ip, pool):
     cell(ip, "import torch_xla\nrank")  # the ranks do use XLA
     assert "torch_xla" not in sys.modules
-    assert [row["xla_free"] for row in ip._xla_magic_session.hosts.status()] == [True, True]
+    assert [row["xla_free"] for row in ip._xla_magic_session.pool.status()] == [True, True]
 
 def test_spmd_on_several_simulated_hosts_is_refused_with_the_reason(ip, pool, hosts):
     with pytest.raises(UsageError, match="XLA's CPU client is one process"):
@@ -171,6 +171,73 @@ def test_the_controller_listens_only_on_the_hosts_side_and_its_files_are_private
     security = os.path.join(pool.cluster.profile_dir, "security")
     files = os.listdir(security)
     assert files and all(os.stat(os.path.join(security, f)).st_mode & 0o777 == 0o600 for f in files)
+
+
+def test_a_fresh_cell_spawns_one_new_world_across_every_host_and_the_pool_goes_on(ip, pool, hosts):
+    cell(ip, "kept = rank")
+    source = ("import os, socket, torch, torch_xla.core.xla_model as xm\n"
+              "total = xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=device)).item()\n"
+              "(rank, world_size, socket.gethostname(), os.getpid(), 'kept' in globals(), total)")
+    value, _, _ = cell(ip, source, line="--fresh")
+    assert [row[0] for row in value] == list(range(WORLD)) and {row[1] for row in value} == {WORLD}
+    assert [row[2] for row in value] == [hosts.hostname(r // RANKS_PER_HOST) for r in range(WORLD)]
+    assert not {row[3] for row in value} & set(pool.pids.values())  # new processes, not the pool's
+    assert [row[4] for row in value] == [False] * WORLD and {row[5] for row in value} == {float(WORLD)}
+    assert cell(ip, "kept")[0] == list(range(WORLD))  # the pool's ranks kept their namespaces
+
+
+def test_the_panel_s_interrupt_button_stops_the_cell_on_every_host(ip, pool):
+    from tests.test_widget import history_rows, rank_rows
+    from xla_magic import widget
+
+    session = ip._xla_magic_session
+    panel = widget.status_panel(session)
+    seen_running: list[str] = []
+
+    def press_when_running(record) -> None:
+        # Called from the running cell's own loop, after the panel redrew.
+        if record.outcome == "running" and len(record.ranks) == WORLD and all(
+                s.state == "running" and s.lines for s in record.ranks.values()):
+            if not seen_running:
+                panel.redraw()
+                seen_running.append(panel.ranks.value)
+                assert not panel.interrupt.disabled
+                panel.interrupt.click()
+
+    session.listeners.append(press_when_running)
+    try:
+        with capture_output(), pytest.raises(RunInterrupted, match="stopped on every host"):
+            ip.run_cell_magic("xla_spawn", "", "import time\nprint('working', rank, flush=True)\n"
+                                               "while True:\n    time.sleep(0.05)\n")
+    finally:
+        session.listeners.remove(press_when_running)
+    assert seen_running, "the panel never showed every host's ranks running"
+    assert seen_running[0].count('data-state="running"') == WORLD
+    assert all(f"working {r}" in seen_running[0] for r in range(WORLD))  # each rank's last line, live
+    panel.redraw()
+    assert {row["state"] for row in rank_rows(panel)} == {"killed"}
+    assert history_rows(panel)[0]["outcome"] == "interrupted" and panel.interrupt.disabled
+    assert cell(ip, "rank")[0] == list(range(WORLD))  # the pool goes on
+
+
+def test_a_value_crosses_to_each_host_only_when_it_changed(ip, pool):
+    from xla_magic.hosts import on_host
+
+    def received() -> list[tuple[str, ...]]:  # what each host's engine got with the last cell
+        return pool.client[pool.engines].apply_sync(on_host.received)
+
+    ip.user_ns.update(table=list(range(1000)), step=5)
+    assert cell(ip, "(len(table), step)")[0] == [(1000, 5)] * WORLD
+    assert received() == [("step", "table")] * 2
+    assert cell(ip, "(len(table), step)")[0] == [(1000, 5)] * WORLD
+    assert received() == [(), ()]  # nothing changed: nothing crossed
+    ip.user_ns["table"].append(1000)  # the same object, changed in place
+    assert cell(ip, "(len(table), step)")[0] == [(1001, 5)] * WORLD
+    assert received() == [("table",)] * 2
+    ip.user_ns["step"] = 6
+    assert cell(ip, "(len(table), step)")[0] == [(1001, 6)] * WORLD
+    assert received() == [("step",)] * 2
+    assert pool.shipping.last_sent == [("step",)] * 2
 
 
 # --- faults -------------------------------------------------------------------------
@@ -223,7 +290,7 @@ def test_a_killed_engine_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, 
 
 def test_a_dead_launcher_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, pool, hosts):
     session = ip._xla_magic_session
-    launcher = next(row for row in session.hosts.status() if row["index"] == 0)["launcher"]["pid"]
+    launcher = next(row for row in session.pool.status() if row["index"] == 0)["launcher"]["pid"]
     with pytest.raises(RankError) as raised:
         kill_once_every_rank_waits(ip, launcher)  # its ranks die with it
     summary = raised.value.summary
@@ -245,7 +312,7 @@ def wait_until_empty_of(hosts, index: int, within: float = 60.0) -> list[int]:
 
 def test_nothing_is_left_on_any_host_after_stop(ip, pool, hosts):
     assert any(hosts.processes(address) for address in hosts.addresses())  # engines, launchers, ranks
-    controller = ip._xla_magic_session.hosts.cluster.controller.process.pid  # the restarted pool's
+    controller = ip._xla_magic_session.pool.cluster.controller.process.pid  # the restarted pool's
     with capture_output() as shown:
         ip.run_line_magic("xla_pool", "stop")
     assert "pool stopped" in shown.stdout
@@ -262,7 +329,7 @@ def test_a_launch_command_that_fails_says_which_host_and_leaves_nothing(ip, host
         ip.run_line_magic("xla_pool", f"start --hosts {','.join(hosts.addresses())} --backend cpu "
                                       f"--launch '{template}'")
     assert hosts.address(0) not in str(raised.value)
-    assert ip._xla_magic_session.current_hosts() is None
+    assert ip._xla_magic_session.current_pool() is None
     assert controllers_on(hosts.kernel_address) == []
     assert wait_until_empty(hosts) == {}
 

@@ -60,7 +60,7 @@ def mapped_here(prefix: str) -> list[str]:
 def pool(ip):
     """A 2-rank pool in the shared shell, always stopped afterwards, leaving no shared memory."""
     pool_magic(ip, "start --devices 2 --backend cpu")
-    prefix = ip._xla_magic_session.pool.shipping.held.segments.prefix
+    prefix = ip._xla_magic_session.pool.ranks.shipping.held.segments.prefix
     try:
         yield ip._xla_magic_session.pool
     finally:
@@ -625,8 +625,8 @@ def test_tpu_launch_path_crash_breaks_the_pool(ip, thread_pool, spawn):
 def test_unload_stops_the_pool_and_every_rank(ip, spawn):
     pool_magic(ip, "start --devices 2 --backend cpu")
     pids = pool_pids(ip)
-    supervisor = ip._xla_magic_session.pool.supervisor_pid
-    prefix = ip._xla_magic_session.pool.shipping.held.segments.prefix
+    supervisor = ip._xla_magic_session.pool.ranks.supervisor_pid
+    prefix = ip._xla_magic_session.pool.ranks.shipping.held.segments.prefix
     assert spawn("", "float(weights.sum())", weights=torch.ones(BIG)).value == [float(BIG)] * 2
     assert len(mapped_here(prefix)) == 1
     ip.run_line_magic("unload_ext", "xla_magic")

@@ -345,7 +345,7 @@ def test_status_shows_the_spmd_process(ip, spmd_pool):
 def test_restart_keeps_the_pool_spmd_with_its_mesh(ip, spmd_pool):
     said = pool_magic(ip, "restart")
     pool = ip._xla_magic_session.pool
-    assert pool.one_value and (pool.placement.mesh, pool.placement.axes) == ((8, 1), ("fsdp", "model"))
+    assert pool.one_value and (pool.ranks.placement.mesh, pool.ranks.placement.axes) == ((8, 1), ("fsdp", "model"))
     assert "pool ready in" in said
     with pytest.raises(RankError, match="NameError"):
         cell(ip, "", "survivor")  # the namespace went with the old process

@@ -15,6 +15,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from xla_magic import widget, xla_report
 from xla_magic.display import in_notebook
+from xla_magic.hosts.discovery import parse_hosts
+from xla_magic.pool import PoolOptions
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
 
@@ -253,25 +255,15 @@ class XlaMagics(Magics):
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)
-        spmd = spmd_options(args)
-        live = in_notebook(self.shell)
-        if args.hosts is not None and args.action in ("start", "restart"):
-            from xla_magic.hosts.discovery import parse_hosts
-
-            if args.action == "restart":
-                self.session.stop_pool()
-            launch = _unquoted(args.launch) if args.launch is not None else None
-            self.session.start_hosts(parse_hosts(args.hosts), launch, args.devices, args.backend, spmd)
-        elif args.action == "restart" and self.session.current_hosts() is not None:
-            old = self.session.current_hosts()
-            self.session.stop_pool()
-            self.session.start_hosts(old.hosts, old.template, args.devices or old.devices,
-                                     args.backend or old.backend, spmd)
-        elif args.action == "start":
-            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report)
-        elif args.action == "restart":
-            self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd,
-                                      xla_report=args.xla_report)
+        if args.action in ("start", "restart"):
+            options = PoolOptions(devices=args.devices, backend=args.backend, live_lines=in_notebook(self.shell),
+                                  spmd=spmd_options(args), xla_report=args.xla_report,
+                                  hosts=parse_hosts(args.hosts) if args.hosts is not None else None,
+                                  template=_unquoted(args.launch) if args.launch is not None else None)
+            if args.action == "start":
+                self.session.start_pool(options)
+            else:
+                self.session.restart_pool(options)
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":

@@ -15,7 +15,7 @@ import pickle
 import socket
 import struct
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 VERSION = 1
 _HEADER = struct.Struct("!I")
@@ -56,6 +56,39 @@ XLA = "xla"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"
+
+
+# -- what crosses a process boundary, declared (as CPython's _CallItem / _ResultItem) --
+
+
+class World(TypedDict):
+    """One host's part of a world across several hosts: kernel -> engine -> launcher -> ranks (a job's ``world``)."""
+
+    host: int  # this host's index
+    hosts: int
+    rank_offset: int  # the global rank of this host's local rank 0
+    world_size: int
+    address: str  # this host's address toward the others
+    store_address: str  # host 0's: the collectives' TCP store
+    store_port: int
+
+
+class XlaAccount(TypedDict):
+    """What XLA did in one cell, in the ranks it covers (rank -> kernel, an XLA event's ``account``)."""
+
+    ranks: list[int]
+    cell: str
+    analysis: str  # "ours" or "user": whose compilation analysis file the causes came from
+    compiles: int
+    compile_seconds: float
+    cached: int
+    executions: int
+    execute_seconds: float
+    transfers: int
+    scalar_reads: int
+    fallbacks: dict[str, int]
+    compilations: list[dict[str, Any]]
+    sync_lines: list[dict[str, Any]]
 
 
 class Event(NamedTuple):

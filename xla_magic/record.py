@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from xla_magic import protocol
+
 
 @dataclass
 class RankState:
@@ -48,7 +50,7 @@ class RunRecord:
     interrupt_requested: bool = False
     xla_report: str = "auto"  # --xla-report: auto, full or off
 
-    def take_xla(self, account: dict[str, Any]) -> None:
+    def take_xla(self, account: protocol.XlaAccount) -> None:
         """A rank's account of what XLA did (protocol.XLA), for every rank it covers."""
         for rank in account.get("ranks", ()):
             if rank in self.ranks:

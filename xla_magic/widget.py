@@ -27,7 +27,7 @@ from typing import Any
 from xla_magic import probe, xla_report
 from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
-from xla_magic.ranks import Ranks
+from xla_magic.pool import Pool
 from xla_magic.record import RankState, RunRecord
 from xla_magic.session import Session
 
@@ -86,8 +86,7 @@ def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
         facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher), pool_fact(session.current_pool())] + spmd_fact(session)
-              + hosts_facts(session),
+               launcher_fact(session.launcher)] + pool_facts(session.current_pool()) + spmd_fact(session),
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),
     )
@@ -165,18 +164,11 @@ def _readable(launcher: Launcher) -> bool:
     return bool(ready)
 
 
-def pool_fact(pool: Ranks | None) -> Fact:
+def pool_facts(pool: Pool | None) -> list[Fact]:
+    """The pool, and (across hosts) each host with its engine, launcher and ranks."""
     if pool is None:
-        return Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")
-    return Fact("Pool", pool.describe())
-
-
-def hosts_facts(session: Session) -> list[Fact]:
-    """A pool across hosts: the pool, then each host with its engine, launcher and ranks."""
-    hosts = session.current_hosts()
-    if hosts is None:
-        return []
-    return [Fact("Hosts", hosts.describe())] + [Fact(name, text) for name, text in hosts.host_lines()]
+        return [Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")]
+    return [Fact(label, text) for label, text in pool.facts()]
 
 
 SPMD_MEMORY_NOTE = "memory per device: torch_xla reports none for an SPMD process (it sees one virtual device)"
@@ -186,8 +178,10 @@ def spmd_fact(session: Session) -> list[Fact]:
     """The SPMD process of the pool, or else of the last run, if either is one: mesh, devices, memory."""
     pool = session.current_pool()
     if pool is not None and pool.one_value:
-        where, mesh, devices = "pool", pool.placement.describe_mesh(), pool.devices
-        run = next((r for r in reversed(session.history) if r.mesh), None)
+        run = next((r for r in reversed(session.history) if r.mesh), None)  # the pool's start, at the latest
+        if run is None:
+            return []
+        where, mesh, devices = "pool", run.mesh, run.devices
     else:
         run = session.history[-1] if session.history else None
         if run is None or not run.mesh:

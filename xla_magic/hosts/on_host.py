@@ -1,13 +1,16 @@
 """One host's part of a pool across several hosts. Runs in that host's ipyparallel engine (XLA-free).
 
 The kernel calls these functions on every engine at once (``DirectView.apply``).
-Each host runs this package's own single-host machinery, a
-:class:`~xla_magic.session.Session` with its launcher and pool ranks, told
-which part of the world it is (global rank offset, world size, the TCP
-store on host 0). Its output goes to the engine's stdout, tagged ``[hH rN]``,
-which ipyparallel streams to the kernel; every call answers with a plain
-outcome dict, so that a failure, an interrupt or a timeout on this host
-reaches the kernel as facts, not as a folded remote traceback.
+Each host runs this package's own single-host machinery: a
+:class:`~xla_magic.runner.Runner` (launcher, private directory) and a
+:class:`~xla_magic.local_pool.LocalPool`, told which part of the world it is
+(global rank offset, world size, the TCP store on host 0). It knows nothing
+of the kernel's session. Its output goes to the engine's stdout, tagged
+``[hH rN]``, which ipyparallel streams to the kernel; every call answers with
+a :class:`HostOutcome`, so that a failure, an interrupt or a timeout on this
+host reaches the kernel as facts, not as a folded remote traceback. The
+kernel's values a cell reads arrive only when they changed
+(``hosts.shipping``): the engine keeps them between cells.
 """
 
 from __future__ import annotations
@@ -17,14 +20,56 @@ import os
 import signal
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
+from xla_magic import protocol
 from xla_magic.display import RankError, RunInterrupted
-from xla_magic.session import Session
+from xla_magic.local_pool import LocalPool
+from xla_magic.pool import Cell, PoolOptions
+from xla_magic.runner import Runner, plan
 
-_session: Session | None = None
+
+class HostFailure(TypedDict):
+    rank: int  # local to the host
+    type: str
+    message: str
+    traceback: str
+    exit_code: int | None
+
+
+class HostOutcome(TypedDict, total=False):
+    """What one call on one host came to (engine -> kernel)."""
+
+    outcome: str  # ok, failed, interrupted, refused; the kernel adds lost (the engine died or did not answer)
+    value: Any  # ok: the call's value
+    message: str  # interrupted, refused, lost
+    summary: str  # failed
+    failures: list[HostFailure]  # failed
+    results: dict[int, Any]  # failed, interrupted: the values of the ranks that finished, by local rank
+    broken: str | None  # the host's pool broke: why
+
+
+class Here:
+    """This host's part: its runner, its pool, and the kernel's values it holds."""
+
+    def __init__(self, world: protocol.World) -> None:
+        self.world = world
+        self.runner = Runner()
+        self.pool: LocalPool | None = None
+        self.values: dict[str, Any] = {}
+        self.received: tuple[str, ...] = ()  # the names the last cell brought (the others were here already)
+
+    def close(self) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.stop()
+        finally:
+            self.runner.close()
+
+
+_here: Here | None = None
 
 
 def identify() -> dict[str, Any]:
@@ -40,85 +85,139 @@ def free_port(address: str) -> int:
         return probe.getsockname()[1]
 
 
-def ranks_here(devices: int | None, backend: str) -> dict[str, Any]:
+def ranks_here(devices: int | None, backend: str) -> HostOutcome:
     """How many ranks this host would run for ``--devices`` / ``--backend`` (its own devices decide)."""
-    from xla_magic.session import plan
 
-    return _outcome(lambda: {"ranks": plan(backend, devices, "%xla_pool start --hosts").ranks,
-                             "backend": plan(backend, devices, "%xla_pool start --hosts").backend})
+    def count() -> dict[str, Any]:
+        placement = plan(backend, devices, "%xla_pool start --hosts")
+        return {"ranks": placement.ranks, "backend": placement.backend}
+
+    return _outcome(count)
 
 
-def start(world: dict[str, Any], devices: int, backend: str) -> dict[str, Any]:
-    """Start this host's pool ranks as the ``world`` part the kernel says."""
-    global _session
+def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
+    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank."""
+    global _here
     stop()
-    _session = Session()
-    _session.world = world
+    here = _here = Here(world)
     atexit.register(stop)
-    return _outcome(lambda: _session.start_pool(devices, backend) and None)
+
+    def start_pool() -> dict[int, int]:
+        here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend), world)
+        return dict(here.pool.pids)
+
+    return _outcome(start_pool)
 
 
-def run_cell(source: str, names: bytes, timeout: float | None) -> dict[str, Any]:
-    """A cell in this host's pool; ``names`` are the kernel's values it reads, pickled once by the kernel."""
+def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None) -> HostOutcome:
+    """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them."""
+    here = _require()
+    values = _take(here, sent, names)
+    return _outcome(lambda: _pool(here).run_cell(Cell(source, values, timeout=timeout)))
+
+
+def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
+              world: protocol.World, devices: int) -> HostOutcome:
+    """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
+    here = _require()
+    values = _take(here, sent, names)
+    pool = _pool(here)
+    cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True)
+    return _outcome(lambda: pool.run_fresh(cell, world))
+
+
+def _take(here: Here, sent: dict[str, bytes], names: tuple[str, ...]) -> dict[str, Any]:
+    """Keep what the kernel sent; the values of ``names``, as this host holds them."""
     import cloudpickle
 
-    session = _require()
-    return _outcome(lambda: session.run_cell(source, None, "auto", timeout, False, cloudpickle.loads(names), {}))
+    got: dict[str, Any] = {}
+    for blob in sent.values():
+        got.update(cloudpickle.loads(blob))
+    here.values.update(got)  # all or nothing: the kernel counts them as held once this call answers
+    here.received = tuple(sorted(got))
+    return {name: here.values[name] for name in names if name in here.values}
 
 
-def push(names: bytes) -> dict[str, Any]:
+def received() -> tuple[str, ...]:
+    """The names of the kernel's values the last cell brought to this host."""
+    return _require().received
+
+
+def push(names: bytes) -> HostOutcome:
     import cloudpickle
 
     def push_all() -> None:
         values = cloudpickle.loads(names)
-        _require().push(list(values), values)
+        _pool(_require()).push(list(values), values)
 
     return _outcome(push_all)
 
 
-def pull(name: str) -> dict[str, Any]:
-    return _outcome(lambda: _require().pull(name, None))
+def pull(name: str) -> HostOutcome:
+    return _outcome(lambda: _pool(_require()).pull(name, None))
 
 
 def status() -> dict[str, Any]:
     """The host's engine, launcher and ranks, for %xla_status."""
-    session = _session
+    here = _here
     facts: dict[str, Any] = {**identify(), "launcher": None, "pool": None,
                              "xla_free": "torch_xla" not in sys.modules and "_XLAC" not in sys.modules}
-    if session is not None:
-        if session.launcher is not None:
-            facts["launcher"] = {"pid": session.launcher.pid, "alive": session.launcher.alive()}
-        pool = session.current_pool()
-        if pool is not None:
+    if here is not None:
+        launcher = here.runner.launcher
+        if launcher is not None:
+            facts["launcher"] = {"pid": launcher.pid, "alive": launcher.alive()}
+        pool = here.pool
+        if pool is not None and pool.state != "stopped":
             facts["pool"] = {"state": pool.state, "problem": pool.problem, "pids": dict(pool.pids),
-                             "describe": pool.describe()}
+                             "describe": pool.ranks.describe()}
     return facts
 
 
 def stop() -> None:
     """End this host's ranks and launcher, and remove their files."""
-    global _session
-    session, _session = _session, None
-    if session is not None:
-        session.close()
+    global _here
+    here, _here = _here, None
+    if here is not None:
+        here.close()
 
 
-def _require() -> Session:
-    if _session is None:
+def _require() -> Here:
+    if _here is None:
         raise RuntimeError("this host's pool was not started (the kernel starts it with %xla_pool start --hosts)")
-    return _session
+    return _here
+
+
+def _pool(here: Here) -> LocalPool:
+    if here.pool is None or here.pool.state == "stopped":
+        raise UsageError("this host's pool did not start; %xla_pool restart starts it anew")
+    return here.pool
 
 
 _running = False  # whether a call is in progress: only then does SIGINT (the kernel's interrupt) stop it
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    # A SIGINT meant for a call that has just ended must not hit what the engine does next.
-    if _running:
+    """The kernel's SIGINT: the running request stops at its next look, as at the panel's Interrupt button.
+
+    A flag, not an exception, once a request runs: a SIGINT that arrives
+    while the host already stops its cell (its own timeout, say) must not
+    read as a second interrupt, which kills the ranks. A SIGINT meant for a
+    call that has just ended must not hit what the engine does next.
+    """
+    if not _running:
+        return
+    running = _running_record()
+    if running is None:
         raise KeyboardInterrupt
+    running.interrupt_requested = True
 
 
-def _outcome(call: Any) -> dict[str, Any]:
+def _running_record() -> Any:
+    history = _here.runner.history if _here is not None else []
+    return history[-1] if history and history[-1].outcome == "running" else None
+
+
+def _outcome(call: Callable[[], Any]) -> HostOutcome:
     """Run ``call``; what came of it, as plain data: ok (and the value), failed, interrupted or refused.
 
     ipykernel restores its own SIGINT handler (which ignores it) once the call returns."""
@@ -128,8 +227,8 @@ def _outcome(call: Any) -> dict[str, Any]:
     try:
         value = call()
     except RankError as exc:
-        failures = [dict(rank=f.rank, type=f.type, message=f.message, traceback=f.traceback, exit_code=f.exit_code)
-                    for f in exc.failures]
+        failures = [HostFailure(rank=f.rank, type=f.type, message=f.message, traceback=f.traceback,
+                                exit_code=f.exit_code) for f in exc.failures]
         return {"outcome": "failed", "summary": exc.summary, "failures": failures, "results": exc.results,
                 "broken": _broken()}
     except RunInterrupted as exc:
@@ -146,5 +245,5 @@ def _outcome(call: Any) -> dict[str, Any]:
 
 
 def _broken() -> str | None:
-    pool = _session.current_pool() if _session is not None else None
+    pool = _here.pool if _here is not None else None
     return pool.problem if pool is not None and pool.state == "broken" else None

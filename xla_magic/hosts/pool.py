@@ -19,11 +19,14 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload
+from xla_magic import payload, protocol
 from xla_magic.hosts import discovery, on_host
 from xla_magic.hosts.launch import DEFAULT_TEMPLATE, HostEngineSetLauncher, KernelControllerLauncher, template_words
 from xla_magic.hosts.request import HostsRequest, label
-from xla_magic.launcher_client import PrivateDir
+from xla_magic.hosts.shipping import HostShipping
+from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
+from xla_magic.record import RankState, RunRecord
+from xla_magic.runner import Runner, user_values
 
 ENGINES_TIMEOUT = 120.0  # for every engine to register
 START_TIMEOUT = 600.0  # for every host's launcher and ranks to be ready
@@ -33,23 +36,34 @@ RESTART = "%xla_pool restart (or %xla_pool stop, then %xla_pool start --hosts ..
 
 
 class HostsPool:
-    """The kernel's handle on a pool across hosts: the cluster, its engines by host, the world."""
+    """The kernel's handle on a pool across hosts: the cluster, its engines by host, the world.
 
-    def __init__(self, hosts: list[str], devices: int | None, backend: str, template: str | None,
-                 workdir: PrivateDir, python: str | None = None) -> None:
+    A :class:`~xla_magic.pool.Pool`: its cells, pushes and pulls go to every
+    host at once, each recorded in ``runner``'s history as one run of every
+    global rank (the status panel's, whose Interrupt button stops it).
+    """
+
+    one_value = False  # one rank per device on every host: a cell's value is the list by global rank
+
+    def __init__(self, runner: Runner, hosts: list[str], devices: int | None, backend: str, template: str | None,
+                 python: str | None = None) -> None:
+        self.runner = runner
         self.hosts = hosts
         self.requested_devices = devices
         self.devices = devices or 0  # ranks per host: what the hosts say, once the engines are up
         self.backend = backend
         self.template = template or DEFAULT_TEMPLATE
         self.python = python or os.environ.get("XLA_MAGIC_HOST_PYTHON") or _kernel_python()
-        self.workdir = workdir
+        self.workdir = runner.workdir
         self.state = "starting"
         self.problem: str | None = None
         self.cluster: Any = None
         self.client: Any = None
         self.engines: list[int] = []  # ipyparallel engine id, by host index
         self.engine_pids: list[int] = []
+        self.pids: dict[int, int] = {}  # global rank -> its process, as the hosts last said
+        self._rows: list[dict[str, Any]] = []  # each host's status, as its engine last said it
+        self.shipping = HostShipping(len(hosts))  # what each host's engine holds of the kernel's values
         self.address = ""
         self.cells = 0
         self.started = time.time()
@@ -66,7 +80,37 @@ class HostsPool:
 
     # -- starting and stopping ------------------------------------------------
 
-    def start(self) -> None:
+    @staticmethod
+    def check_options(options: PoolOptions) -> None:
+        """What no pool across hosts can be, whatever runs now."""
+        if options.spmd is not None and (options.backend or "auto") != "tpu":
+            raise UsageError("--spmd on several hosts needs TPUs: in the CPU simulation XLA's CPU client is one "
+                             "process and cannot span hosts. Leave --spmd out (one rank per device), or run on TPU "
+                             "hosts with --backend tpu")
+        if options.spmd is not None:
+            raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
+
+    @classmethod
+    def start(cls, runner: Runner, options: PoolOptions) -> HostsPool:
+        """``%xla_pool start --hosts``: one engine per host, each running its host's launcher and ranks."""
+        cls.check_options(options)
+        pool = cls(runner, list(options.hosts or ()), options.devices, options.backend or "auto", options.template)
+        pool.start_all()
+        return pool
+
+    def check_start(self, options: PoolOptions) -> None:
+        if options.hosts is not None:
+            raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
+        raise UsageError("a pool across hosts is running: %xla_pool stop it first, then start one on this host")
+
+    def restart(self, options: PoolOptions) -> HostsPool:
+        """The same hosts and launch template; devices and backend as before unless given."""
+        self.stop()
+        return HostsPool.start(self.runner, options.but(
+            hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
+            backend=options.backend or self.backend))
+
+    def start_all(self) -> None:
         """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
         began = time.monotonic()
         try:
@@ -152,16 +196,23 @@ class HostsPool:
                              f"a count every host has")
         self.devices = counts[0]
         self.backend = here[0]["backend"]
+        calls = [self.client[engine].apply_async(on_host.start, world, self.devices, self.backend)
+                 for engine, world in zip(self.engines, self._worlds())]
+        request = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False)
+        self._take_pids(request.wait())
+
+    def _worlds(self) -> list[protocol.World]:
+        """Every host's part of one world, meeting at a store port free now on host 0."""
         port = self.client[self.engines[0]].apply_sync(on_host.free_port, self.hosts[0])
-        worlds = [
-            {"host": index, "hosts": len(self.hosts), "rank_offset": index * self.devices,
-             "world_size": self.world_size, "address": host, "store_address": self.hosts[0], "store_port": port}
+        return [
+            protocol.World(host=index, hosts=len(self.hosts), rank_offset=index * self.devices,
+                           world_size=self.world_size, address=host, store_address=self.hosts[0], store_port=port)
             for index, host in enumerate(self.hosts)
         ]
-        calls = [self.client[engine].apply_async(on_host.start, world, self.devices, self.backend)
-                 for engine, world in zip(self.engines, worlds)]
-        request = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False)
-        request.wait()
+
+    def _take_pids(self, by_host: list[dict[int, int]]) -> None:
+        self.pids = {index * self.devices + rank: pid for index, pids in enumerate(by_host)
+                     for rank, pid in (pids or {}).items()}
 
     def stop(self) -> None:
         """Every host's ranks and launcher, the engines, then the controller; nothing left anywhere."""
@@ -192,39 +243,79 @@ class HostsPool:
     def mark_broken(self, problem: str) -> None:
         self.state, self.problem = "broken", problem
 
-    def run_cell(self, cell: str, user_ns: Mapping[str, Any], hidden: Mapping[str, Any],
-                 timeout: float | None) -> list[Any]:
-        """A cell on every host at once; the list of every global rank's value, in rank order."""
-        self.check_usable()
-        import cloudpickle
+    def run_cell(self, cell: Cell) -> list[Any]:
+        """A cell on every host at once; the list of every global rank's value, in rank order.
 
-        _, names, _ = payload.analyse(cell, "<xla_spawn cell>")  # checked here, run by each host's session
-        values = payload.select_names(names, user_ns, hidden)
+        ``cell.fresh``: in ranks spawned for it on every host, one world, ended after it.
+        """
+        self.check_usable()
+        if cell.spmd is not None:
+            raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
+        if not cell.fresh and cell.devices is not None and cell.devices != self.devices:
+            raise UsageError(f"the pool across hosts runs {self.devices} ranks per host, so --devices "
+                             f"{cell.devices} contradicts it; leave --devices out, or %xla_pool restart "
+                             f"--devices {cell.devices}")
+        sending = self.shipping.prepare(user_values(cell))  # checked here, run by each host's pool
+        if cell.fresh:
+            devices = cell.devices or self.devices
+            worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
+                      for w in self._worlds()]
+            calls = [self.client[engine].apply_async(on_host.run_fresh, cell.source, sending.for_host(index),
+                                                     sending.names, cell.timeout, world, devices)
+                     for index, (engine, world) in enumerate(zip(self.engines, worlds))]
+        else:
+            devices = self.devices
+            calls = [self.client[engine].apply_async(on_host.run_cell, cell.source, sending.for_host(index),
+                                                     sending.names, cell.timeout)
+                     for index, engine in enumerate(self.engines)]
+        record = self._record(cell.source, devices)
+        request = HostsRequest(self, calls, timeout=None, record=record, devices=devices)
         try:
-            blob = cloudpickle.dumps(values)  # once, for every host
-        except Exception as exc:
-            raise UsageError(f"a value the cell reads cannot be pickled for the hosts: {type(exc).__name__}: {exc}")
-        calls = [self.client[engine].apply_async(on_host.run_cell, cell, blob, timeout) for engine in self.engines]
-        values_by_host = HostsRequest(self, calls, timeout=None).wait()
-        self.cells += 1
-        return [value for host_values in values_by_host for value in (host_values or [None] * self.devices)]
+            values_by_host = self._follow(request)
+        finally:
+            self.shipping.delivered(sending, request.reached())
+        if not cell.fresh:
+            self.cells += 1
+        return [value for host_values in values_by_host for value in (host_values or [None] * devices)]
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         self.check_usable()
-        import cloudpickle
+        check_names(names, user_ns)
+        blob = payload.pickle_namespace({name: user_ns[name] for name in names})  # once, for every host
+        calls = [self.client[e].apply_async(on_host.push, blob) for e in self.engines]
+        self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool push {' '.join(names)}", self.devices)))
 
-        missing = [name for name in names if name not in user_ns]
-        if missing:
-            raise UsageError(f"no notebook variable named {', '.join(missing)} to push")
-        blob = cloudpickle.dumps({name: user_ns[name] for name in names})
-        HostsRequest(self, [self.client[e].apply_async(on_host.push, blob) for e in self.engines]).wait()
-
-    def pull(self, name: str) -> list[Any]:
+    def pull(self, name: str, rank: int | None) -> Any:
         self.check_usable()
-        values = HostsRequest(self, [self.client[e].apply_async(on_host.pull, name) for e in self.engines]).wait()
-        return [value for host_values in values for value in host_values]
+        check_rank(rank, self.world_size, "the pool across hosts")
+        calls = [self.client[e].apply_async(on_host.pull, name) for e in self.engines]
+        values = self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool pull {name}", self.devices)))
+        every = [value for host_values in values for value in host_values]
+        return every if rank is None else every[rank]
+
+    def _follow(self, request: HostsRequest) -> list[Any]:
+        """``request`` to its end; meanwhile the pool is running (its engines are busy: nothing else asks them)."""
+        self.state = "running"
+        try:
+            return request.wait()
+        finally:
+            if self.state == "running":
+                self.state = "ready"
+
+    def _record(self, label: str, devices: int) -> RunRecord:
+        """A run of every global rank in the session's history: the panel shows it, and can interrupt it."""
+        runner = self.runner
+        record = RunRecord(runner.next_run_id(), label, self.backend, devices * len(self.hosts))
+        record.ranks = {rank: RankState(state="running", pid=self.pids.get(rank))
+                        for rank in range(devices * len(self.hosts))}
+        runner.remember(record)
+        runner.notify(record)
+        return record
 
     # -- describing -----------------------------------------------------------------
+
+    def facts(self) -> list[tuple[str, str]]:
+        return [("Pool", f"across hosts: {self.describe()}")] + self.host_lines()
 
     def describe(self) -> str:
         state = self.state if self.problem is None else f"{self.state} ({self.problem})"
@@ -232,17 +323,30 @@ class HostsPool:
                 f"({self.world_size} ranks in all), controller on {self.address}; {self.cells} cell(s) run")
 
     def status(self, patience: float = 2.0) -> list[dict[str, Any]]:
-        """Each host: its address, its engine, launcher and ranks (what the engine says, or why it cannot)."""
+        """Each host: its address, its engine, launcher and ranks (what the engine says, or why it cannot).
+
+        While a request runs the engines are busy with it: then what they said
+        last, and the running request's record says where each rank is.
+        """
+        if self.state == "running":
+            return self._rows or [self._row(index, "busy with a cell") for index in range(len(self.hosts))]
         rows: list[dict[str, Any]] = []
-        for index, host in enumerate(self.hosts):
-            row: dict[str, Any] = {"host": host, "index": index, "engine": self.engines[index],
-                                   "ranks": f"r{index * self.devices}-r{(index + 1) * self.devices - 1}"}
+        for index in range(len(self.hosts)):
+            row = self._row(index)
             try:
                 row.update(self.client[self.engines[index]].apply_async(on_host.status).get(patience))
-            except Exception as exc:  # a dead engine, or one busy with a cell: say so, the panel must not fail
+            except Exception as exc:  # a dead engine, or one that does not answer: say so, the panel must not fail
                 row["error"] = f"{type(exc).__name__}: {exc}"
             rows.append(row)
+        self._rows = rows
         return rows
+
+    def _row(self, index: int, error: str | None = None) -> dict[str, Any]:
+        row: dict[str, Any] = {"host": self.hosts[index], "index": index, "engine": self.engines[index],
+                               "ranks": f"r{index * self.devices}-r{(index + 1) * self.devices - 1}"}
+        if error is not None:
+            row["error"] = error
+        return row
 
     def host_lines(self) -> list[tuple[str, str]]:
         """(name, facts) per host, for %xla_status."""

@@ -11,6 +11,7 @@ host the same way.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -19,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from xla_magic.display import RankError, RankFailure, RunInterrupted
+from xla_magic.hosts.on_host import HostOutcome
+from xla_magic.record import RunRecord
 
 if TYPE_CHECKING:
     from xla_magic.hosts.pool import HostsPool
 
+_TAGGED = re.compile(r"^\[h\d+ r(\d+)\] ?(.*)$", re.MULTILINE)
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
 
 
@@ -32,14 +36,22 @@ def label(devices: int) -> Any:
 
 
 class HostsRequest:
-    """``calls``: one ipyparallel AsyncResult per host, in host order."""
+    """``calls``: one ipyparallel AsyncResult per host, in host order.
 
-    def __init__(self, pool: HostsPool, calls: list[Any], timeout: float | None = None, echo: bool = True) -> None:
+    With a ``record`` (a run in the session's history), the request keeps its
+    ranks' states and lines as the hosts' output and outcomes come in, and
+    stops every host when the record asks (the status panel's Interrupt).
+    """
+
+    def __init__(self, pool: HostsPool, calls: list[Any], timeout: float | None = None, echo: bool = True,
+                 record: RunRecord | None = None, devices: int | None = None) -> None:
         self.pool = pool
         self.calls = calls
         self.timeout = timeout
         self.echo = echo
-        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.record = record
+        self.devices = devices if devices is not None else pool.devices  # ranks per host in this request
+        self.outcomes: dict[int, HostOutcome] = {}
         self.shown: dict[tuple[int, str], int] = {}
         self.stopping: str | None = None  # why the other hosts were told to stop: failure, interrupt, timeout
         self.stopped_at: float | None = None
@@ -53,6 +65,8 @@ class HostsRequest:
                 self._show()
                 if self.stopping is None and deadline is not None and time.monotonic() > deadline:
                     self._stop_hosts("timeout")
+                if self.stopping is None and self.record is not None and self.record.interrupt_requested:
+                    raise KeyboardInterrupt
                 if self.stopped_at is not None and time.monotonic() - self.stopped_at > STOP_PATIENCE:
                     self._give_up()
                 pending = [call for index, call in enumerate(self.calls) if index not in self.outcomes]
@@ -63,7 +77,42 @@ class HostsRequest:
                     self._give_up()  # a second Ctrl-C: stop waiting for the hosts
                 self._stop_hosts("interrupt")
         self._show()
-        return self._result()
+        try:
+            return self._result()
+        except RunInterrupted:
+            self._finish("interrupted")
+            raise
+        except RankError:
+            self._finish("timeout" if self.stopping == "timeout" else "failed")
+            raise
+        except BaseException:
+            self._finish("failed")
+            raise
+        finally:
+            self._finish("done")
+
+    def reached(self) -> list[bool]:
+        """Which hosts' engines got the call (they answered, whatever the answer): they hold its values now."""
+        return [self.outcomes.get(index, {"outcome": "lost"})["outcome"] != "lost" for index in range(len(self.calls))]
+
+    def _finish(self, outcome: str) -> None:
+        """The record's end, once: every rank's state from its host's outcome."""
+        record = self.record
+        if record is None or record.outcome != "running":
+            return
+        for index in range(len(self.calls)):
+            said = self.outcomes.get(index, {"outcome": "lost"})
+            failed = {f["rank"] for f in said.get("failures", ())}
+            for local in range(self.devices):
+                state = record.ranks.get(index * self.devices + local)
+                if state is None or state.ended is not None:
+                    continue
+                state.state = ("done" if said["outcome"] == "ok" else "failed" if local in failed
+                               else "killed" if said["outcome"] in ("interrupted", "failed") else "failed")
+                state.ended = time.monotonic()
+        record.outcome = outcome
+        record.duration = time.time() - record.started
+        self.pool.runner.notify(record)
 
     # -- following ----------------------------------------------------------------
 
@@ -95,6 +144,18 @@ class HostsRequest:
                     out.write(text[start:])
                     out.flush()
                     self.shown[(index, stream)] = len(text)
+                    self._count_lines(text[start:])
+
+    def _count_lines(self, text: str) -> None:
+        """Each global rank's lines and last line, for the panel (a host's lines come tagged ``[hH rN]``)."""
+        if self.record is None:
+            return
+        for match in _TAGGED.finditer(text):
+            state = self.record.ranks.get(int(match.group(1)))
+            if state is not None:
+                state.lines += 1
+                state.last_line = match.group(2)
+        self.pool.runner.notify(self.record)
 
     def _stop_hosts(self, why: str) -> None:
         """SIGINT to every host still running: each stops its ranks as an interrupted cell does."""
@@ -130,7 +191,7 @@ class HostsRequest:
         raise self._error(outcomes)
 
     def _error(self, outcomes: list[dict[str, Any]]) -> RankError:
-        devices = self.pool.devices
+        devices = self.devices
         failures: list[RankFailure] = []
         problems: list[str] = []
         for index, outcome in enumerate(outcomes):
@@ -158,7 +219,7 @@ class HostsRequest:
         results: dict[int, Any] = {}
         for index, outcome in enumerate(outcomes):
             for rank, value in (outcome.get("results") or {}).items():
-                results[index * self.pool.devices + rank] = value
+                results[index * self.devices + rank] = value
         return results
 
     def _pool_note(self) -> str:

@@ -106,7 +106,7 @@ INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 _HAS_INLINE_BACKEND = importlib.util.find_spec("matplotlib_inline") is not None
 
 
-def _rank_environment(world: dict[str, Any] | None = None) -> None:
+def _rank_environment(world: protocol.World | None = None) -> None:
     for name in STALE_TPU_VARIABLES:
         os.environ.pop(name, None)
     if _HAS_INLINE_BACKEND:
@@ -132,7 +132,7 @@ def run_cpu(
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     store: str,
-    world: dict[str, Any] | None = None,
+    world: protocol.World | None = None,
 ) -> None:
     """Fork the ranks; ``store`` is the kernel's directory for the run's gloo
     store (the kernel owns it and removes it when the ranks end). ``world``:
@@ -178,7 +178,7 @@ def _cpu_rank(
     run_id: int,
     store: str,
     supervisor_pid: int,
-    world: dict[str, Any] | None,
+    world: protocol.World | None,
 ) -> None:
     """A simulated device: one process, one XLA CPU device; never returns.
 
@@ -207,7 +207,9 @@ def _cpu_rank(
                 names.update(local_rank=rank, host=world["host"])
             return names
 
-        closing = simulate.leave(strategy_module.closing_on_store(os.path.join(store, "closing"), run_id, world_size))
+        # Across hosts no directory is shared: the ranks meet on the world's store.
+        closing = simulate.leave(simulate.closing_across_hosts(run_id) if world else
+                                 strategy_module.closing_on_store(os.path.join(store, "closing"), run_id, world_size))
         ok = serve.serve(rank, ranks[rank], setup, first, closing)
         code = 0 if ok else 1
     finally:
@@ -216,7 +218,7 @@ def _cpu_rank(
 
 
 def _forked_rank(rank: int, ranks: list[rank_module.RankSockets], supervisor: protocol.Channel,
-                 supervisor_pid: int, world: dict[str, Any] | None = None) -> None:
+                 supervisor_pid: int, world: protocol.World | None = None) -> None:
     """The start of every forked rank: dies with the supervisor, holds only its own sockets."""
     lifetime.die_with_parent(supervisor_pid)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor's SIG_IGN is not for ranks
@@ -273,7 +275,7 @@ def run_tpu(
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     cpu_threads: bool,
-    world: dict[str, Any] | None = None,
+    world: protocol.World | None = None,
 ) -> None:
     """torch_xla's spawn. With ``world`` (one host of a multi-host slice) nothing of the slice's shape is set
     here: torch_xla reads it from the TPU VM's metadata (or GKE's TPU_WORKER_* variables) itself."""
@@ -311,7 +313,7 @@ def _tpu_rank(
     supervisor: socket.socket,
     first: bytes | None,
     run_id: int,
-    world: dict[str, Any] | None = None,
+    world: protocol.World | None = None,
 ) -> None:
     """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel).
 

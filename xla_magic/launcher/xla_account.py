@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from xla_magic import protocol
+
 # Set by a user, these give torch_xla's own debug output: then we set nothing.
 DEBUG_VARIABLES = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 # Frames the analysis keeps per compilation (torch_xla's default is 8): a sync deep in a library still reaches the cell.
@@ -338,7 +340,7 @@ class Span:
         self.start = Reading.now(last)
         self.end: Reading | None = None
 
-    def account(self, filename: str) -> dict[str, Any] | None:
+    def account(self, filename: str) -> protocol.XlaAccount | None:
         """The span's account, as plain data for the kernel (protocol.XLA); None when XLA did nothing.
 
         A rank that sends none for a cell it finished did nothing on XLA in
@@ -476,7 +478,7 @@ class Accountant:
             self.span.ranks.append(rank)
             self.span.active += 1
 
-    def end(self, filename: str) -> dict[str, Any] | None:
+    def end(self, filename: str) -> protocol.XlaAccount | None:
         """The account, for the last rank thread to leave the span; None for the others, and when XLA did nothing."""
         global _current
         with self.lock:

@@ -36,9 +36,9 @@ import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
 
 from xla_magic.launcher.simulate import collectives, exchange, traced
-from xla_magic.launcher.simulate.exchange import leave
+from xla_magic.launcher.simulate.exchange import closing_across_hosts, leave
 
-__all__ = ["install", "leave"]
+__all__ = ["closing_across_hosts", "install", "leave"]
 
 COLLECTIVES = (
     "reduce_scatter",

@@ -118,6 +118,33 @@ def leave(closing: Callable[[], None]) -> Callable[[], None]:
     return checked_closing
 
 
+def closing_across_hosts(run_id: int) -> Callable[[], None]:
+    """One-shot ranks of several hosts leave a cell through a barrier on the world's store.
+
+    Global rank 0 holds that store (a TCPStore on host 0), so it leaves
+    last, once every other rank said it is through.
+    """
+
+    def closing() -> None:
+        state = sim()
+        if state.world_size == 1:
+            return
+        store = file_store(state)
+        arrived, everyone_in, through = (f"closing/{run_id}/{key}" for key in ("arrived", "open", "through"))
+        if store.add(arrived, 1) == state.world_size:
+            store.set(everyone_in, b"1")
+        store.wait([everyone_in])
+        if state.rank != 0:
+            store.add(through, 1)
+            return
+        delay = 0.0005
+        while store.add(through, 0) < state.world_size - 1:
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+
+    return closing
+
+
 def _everyone_ended(state: Simulation) -> bool:
     ended = True
     for peer, mark in _marks(state).items():

@@ -1,0 +1,161 @@
+"""A pool on one host: ranks kept between cells. Runs in the kernel, and in each host's engine.
+
+:class:`LocalPool` is the :class:`~xla_magic.pool.Pool` of one host: one
+kept :class:`~xla_magic.ranks.Ranks` and the :class:`~xla_magic.runner.Runner`
+that runs its requests. On one of several hosts, an engine holds one with
+its part of the world; the kernel's pool across hosts drives those.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from IPython.core.error import UsageError
+
+from xla_magic import payload, protocol, sharding, transport
+from xla_magic.launcher_client import READY_TIMEOUT
+from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
+from xla_magic.ranks import Ranks
+from xla_magic.request import Request
+from xla_magic.runner import Runner, plan
+
+
+def old_spmd_options(ranks: Ranks, devices: int | None) -> sharding.SpmdOptions:
+    """A restarted SPMD pool's --mesh / --axes: its own, unless the device count changes (then the defaults)."""
+    placement = ranks.placement
+    if devices is not None and devices != placement.devices:
+        return sharding.SpmdOptions()
+    return sharding.SpmdOptions(",".join(map(str, placement.mesh or ())), ",".join(placement.axes or ()))
+
+
+class LocalPool:
+    """Kept ranks on this host; its state is its ranks' (``ranks.state``), which only the pool's requests change."""
+
+    def __init__(self, runner: Runner, ranks: Ranks, xla_report: str | None) -> None:
+        self.runner = runner
+        self.ranks = ranks
+        self.xla_report = xla_report or "auto"  # the pool's --xla-report, for cells that give none
+        self.options = PoolOptions(devices=ranks.devices, backend=ranks.requested_backend, xla_report=xla_report)
+
+    @staticmethod
+    def check_options(options: PoolOptions) -> None:
+        """What no pool on one host can be: nothing the start itself does not check."""
+
+    @classmethod
+    def start(cls, runner: Runner, options: PoolOptions, world: protocol.World | None = None) -> LocalPool:
+        """``%xla_pool start``: ready ranks (or, with ``options.spmd``, an SPMD process) on this host."""
+        backend = options.backend or "auto"
+        placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
+        ranks = Ranks(placement, keep=True, requested_backend=backend, workdir=runner.workdir, world=world)
+        record = runner.record(runner.next_run_id(), "%xla_pool start", ranks)
+        start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
+                        on_update=runner.notify, live_lines=options.live_lines)
+        began = time.monotonic()
+        try:
+            runner.launch(ranks, record, first=None)
+            start.start()
+            start.wait()
+        except BaseException:
+            ranks.stop()
+            raise
+        ranks.start_seconds = time.monotonic() - began
+        ranks.state = "ready"
+        pool = cls(runner, ranks, options.xla_report)
+        runner.notify(record)  # a panel on show learns of the pool now, not at its next redraw
+        return pool
+
+    # -- what the session reads --------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self.ranks.state
+
+    @property
+    def problem(self) -> str | None:
+        return self.ranks.problem
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.ranks.pids
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.size
+
+    @property
+    def one_value(self) -> bool:
+        return self.ranks.one_value
+
+    @property
+    def start_seconds(self) -> float:
+        return self.ranks.start_seconds or 0.0
+
+    # -- requests ------------------------------------------------------------------
+
+    def check_start(self, options: PoolOptions) -> None:
+        if options.hosts is not None:
+            raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
+        self.ranks.check_usable()
+        self.ranks.check_fits(options.devices, options.backend or "auto", options.spmd)
+
+    def run_cell(self, cell: Cell) -> Any:
+        ranks = self.ranks
+        if cell.fresh:
+            return self.run_fresh(cell)
+        ranks.check_fits(cell.devices, cell.backend, cell.spmd)
+        ranks.check_usable()
+        self.runner.guard_kernel(ranks)
+        return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report)
+
+    def run_fresh(self, cell: Cell, world: protocol.World | None = None) -> Any:
+        """``cell`` in ranks spawned for it beside the pool's (one host's part of a fresh ``world``, if given)."""
+        self.ranks.check_fresh_allowed()
+        return self.runner.one_shot(cell, world)
+
+    def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
+        self.ranks.check_usable()
+        check_names(names, user_ns)
+        values = {name: user_ns[name] for name in names}
+        segments = transport.RunSegments()  # large values: mapped by every rank, unlinked once all have
+        try:
+            self.runner.exchange(self.ranks, protocol.PUSH, f"%xla_pool push {' '.join(names)}", None, False,
+                                 values=payload.pickle_namespace(values, segments))
+        finally:
+            segments.sweep()
+
+    def pull(self, name: str, rank: int | None) -> Any:
+        ranks = self.ranks
+        ranks.check_usable()
+        if rank is not None and ranks.one_value:
+            raise UsageError("an SPMD pool is one process, so its value has no --rank: leave --rank out")
+        check_rank(rank, ranks.devices, "the pool")
+        request = self.runner.exchange(ranks, protocol.PULL, f"%xla_pool pull {name}",
+                                       None if rank is None else [rank], True, name=name,
+                                       results_to=ranks.results.prefix)
+        if rank is not None:
+            return request.results.get(rank)
+        return ranks.value([request.results.get(r) for r in range(ranks.size)])
+
+    # -- the pool's life -------------------------------------------------------------
+
+    def restart(self, options: PoolOptions) -> LocalPool:
+        old = self.ranks
+        spmd = options.spmd
+        if spmd is None and old.one_value:
+            spmd = old_spmd_options(old, options.devices)
+        options = options.but(devices=options.devices if options.devices is not None else old.devices,
+                              backend=options.backend or old.requested_backend,
+                              xla_report=options.xla_report or self.xla_report, spmd=spmd)
+        plan(options.backend, options.devices, "%xla_pool restart", spmd)  # bad options keep the old pool
+        self.stop()
+        return LocalPool.start(self.runner, options, old.world)
+
+    def stop(self) -> None:
+        self.ranks.stop()
+
+    def describe(self) -> str:
+        return self.ranks.describe()
+
+    def facts(self) -> list[tuple[str, str]]:
+        return [("Pool", self.ranks.describe())]

@@ -1,0 +1,219 @@
+"""One host's machinery for running requests in ranks. Runs in the kernel, and in each host's engine.
+
+A :class:`Runner` owns what one host needs to run cells: its private
+directory, its launcher, the run ids and the recent records (the status
+panel's history) with their listeners. It runs one request in one
+:class:`~xla_magic.ranks.Ranks` (a cell, a push, a pull, a pool's start)
+and spawns one-shot ranks. The kernel's session is a runner that also
+holds a pool; an engine on one of several hosts is a runner with a local
+pool and a part of the world, and knows nothing of the session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, Mapping
+
+from IPython.core.error import UsageError
+
+from xla_magic import payload, place, probe, protocol, sharding, xla_report
+from xla_magic.display import RunInterrupted
+from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
+from xla_magic.pool import Cell
+from xla_magic.ranks import Ranks
+from xla_magic.record import RunRecord
+from xla_magic.request import Request
+
+
+def plan(
+    backend: str, devices: int | None, action: str, spmd: sharding.SpmdOptions | None = None
+) -> probe.Placement:
+    """Where ``action`` would run, or the UsageError that says why it cannot.
+
+    With ``spmd``: one process over the same devices, with the mesh that
+    ``--mesh`` / ``--axes`` ask for.
+    """
+    try:
+        placement = probe.place(backend, devices)
+    except probe.PlacementError as exc:
+        raise UsageError(str(exc)) from exc
+    if spmd is not None:
+        mesh, axes = spmd.layout(placement.devices)
+        placement = dataclasses.replace(placement, mesh=mesh, axes=axes)
+    refuse_if_kernel_holds_devices(action)
+    return placement
+
+
+def refuse_if_kernel_holds_devices(action: str) -> None:
+    refusal = probe.kernel_xla_runtime() or probe.kernel_holds_libtpu()
+    if refusal:
+        raise UsageError(f"{action} refused: {refusal}")
+
+
+class Runner:
+    """One host's launcher, private directory and run records; runs requests in ranks."""
+
+    HISTORY = 20
+
+    def __init__(self) -> None:
+        self.workdir = PrivateDir()
+        self.launcher: Launcher | None = None
+        self.run_count = 0
+        self.history: list[RunRecord] = []
+        self.listeners: list[Callable[[RunRecord], None]] = []
+        self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
+        self.last_cell: RunRecord | None = None
+
+    # -- the launcher ------------------------------------------------------
+
+    def ensure_launcher(self) -> Launcher:
+        """The launcher, started if there is none (LauncherError if it cannot be)."""
+        if self.launcher is not None and not self.launcher.alive():
+            self.drop_launcher()  # a dead one: its socket and directory go too
+        if self.launcher is None:
+            self.launcher = Launcher(self.workdir)
+        return self.launcher
+
+    def ready_launcher(self) -> Launcher:
+        """The launcher, ready for jobs, or the UsageError that says what to do."""
+        try:
+            launcher = self.ensure_launcher()
+            launcher.wait_ready()
+        except LauncherError as exc:
+            self.drop_launcher()
+            raise UsageError(str(exc)) from exc
+        return launcher
+
+    def drop_launcher(self) -> None:
+        launcher, self.launcher = self.launcher, None
+        if launcher is not None:
+            launcher.stop()
+
+    # -- requests ------------------------------------------------------------
+
+    def one_shot(self, cell: Cell, world: protocol.World | None = None) -> Any:
+        """``cell`` in ranks spawned for it alone (one host's part of ``world``, if given), then ended."""
+        placement = plan(cell.backend, cell.devices, "%%xla_spawn", cell.spmd)
+        ranks = Ranks(placement, keep=False, requested_backend=cell.backend, workdir=self.workdir, world=world)
+        try:
+            return self.cell(ranks, cell, cell.xla_report or "auto")
+        finally:
+            ranks.stop()
+
+    def cell(self, ranks: Ranks, cell: Cell, report: str = "auto") -> Any:
+        """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
+        run_id = self.next_run_id()
+        filename = f"<xla_spawn cell {run_id}>"
+        has_result, names, code = payload.analyse(cell.source, filename)
+        values = payload.select_names(names, cell.user_ns, cell.hidden)
+        here = place.current(self.launcher.environment_changes() if self.launcher is not None else None)
+        delivered = False
+        try:
+            shipping, changed = ranks.shipping.fields(values)
+            seq = ranks.next_seq()
+            # With IPython syntax the ranks run its transformation (``code``) and show the cell's lines.
+            transformed = {"code": code} if code != cell.source else {}
+            frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell.source, filename=filename,
+                                    has_result=has_result, results_to=ranks.results.prefix,
+                                    xla_report=report != "off", **transformed, **place.changed(here, ranks.place),
+                                    **shipping)
+            launching = ranks.state == "starting"
+            record = self.record(run_id, cell.source, ranks)
+            record.xla_report = report
+            self.last_cell = record  # %xla_report shows what XLA did in it
+            request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
+                              has_result=has_result, timeout=cell.timeout, on_update=self.notify,
+                              live_lines=cell.live_lines)
+            if launching:
+                self.launch(ranks, record, first=frame)
+            else:
+                self.remember(record)
+            request.start()
+            self.one_value = ranks.one_value
+            try:
+                return ranks.value(request.wait())
+            finally:
+                xla_report.after_cell(record)
+                delivered = request.delivered
+                if delivered:
+                    ranks.shipping.sent(changed, shipping)
+                    ranks.place = here
+                    ranks.cells += 1
+        finally:
+            ranks.shipping.settle(delivered)
+
+    def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
+        """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
+        launcher = self.ready_launcher()
+        self.remember(record)
+        try:
+            ranks.launch(launcher, record.run_id, first)
+        except BaseException as exc:
+            record.outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self.notify(record)
+            given_up = not launcher.alive()  # stopped while the job was in flight
+            if given_up and self.launcher is launcher:
+                self.drop_launcher()
+            if isinstance(exc, LauncherError):
+                raise UsageError(str(exc)) from exc
+            if isinstance(exc, KeyboardInterrupt):
+                where = "; the launcher was stopped, and the next cell starts a new one" if given_up else ""
+                raise RunInterrupted(
+                    f"interrupted while handing the cell to the launcher, before it ran{where}", {}
+                ) from None
+            raise
+
+    def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
+                 **fields: Any) -> Request:
+        """A push or pull to ``ranks``, followed to the end."""
+        seq = ranks.next_seq()
+        record = self.record(self.next_run_id(), label, ranks)
+        request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
+                          has_result=has_result, targets=targets, on_update=self.notify)
+        request.start()
+        request.wait()
+        return request
+
+    @staticmethod
+    def guard_kernel(ranks: Ranks) -> None:
+        """The kernel guard of every pool cell, without its /proc scan while no module was imported since."""
+        if len(sys.modules) != ranks.modules_checked:
+            refuse_if_kernel_holds_devices("%%xla_spawn")
+            ranks.modules_checked = len(sys.modules)
+        elif probe.kernel_xla_runtime():  # a runtime torch_xla had imported may start any time
+            refuse_if_kernel_holds_devices("%%xla_spawn")
+
+    # -- the record ------------------------------------------------------------
+
+    @staticmethod
+    def record(run_id: int, cell: str, ranks: Ranks) -> RunRecord:
+        return RunRecord(run_id, cell, ranks.backend, ranks.devices, mesh=ranks.placement.describe_mesh())
+
+    def next_run_id(self) -> int:
+        self.run_count += 1
+        return self.run_count
+
+    def remember(self, record: RunRecord) -> None:
+        """Keep the record in the recent runs (the status panel's history)."""
+        self.history = (self.history + [record])[-self.HISTORY :]
+
+    def notify(self, record: RunRecord) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(record)
+            except Exception:  # a broken display must never break a run
+                pass
+
+    def close(self) -> None:
+        """Stop the launcher and remove the private directory."""
+        try:
+            self.drop_launcher()
+        finally:
+            self.workdir.close()
+
+
+def user_values(cell: Cell) -> Mapping[str, Any]:
+    """The notebook values ``cell`` reads."""
+    _, names, _ = payload.analyse(cell.source, "<xla_spawn cell>")
+    return payload.select_names(names, cell.user_ns, cell.hidden)
