@@ -185,3 +185,29 @@ def test_no_port_on_any_host_listens_on_every_interface_while_a_collective_runs(
         ranks = {process for address, process in rows if address.startswith(hosts.address(index) + ":")}
         assert len(ranks) >= RANKS_PER_HOST, rows  # the listeners were up when sampled
     assert len(found[0]) > len(found[1])  # host 0 also holds the store
+
+
+# --- every line reaches the kernel -------------------------------------------------------------
+
+
+LINES = 3000
+
+
+def test_every_line_of_every_rank_reaches_the_kernel_in_order_and_the_fold_names_logs_it_can_open(ip, pool, hosts):
+    _, out, err = cell(ip, f"import sys\nfor i in range({LINES}):\n    print(f'line {{i}} of {{rank}}')\n"
+                           "print('the end', file=sys.stderr)")
+    lines = out.splitlines()
+    for r in range(WORLD):
+        tag = f"[h{r // RANKS_PER_HOST} r{r}] "
+        shown = [line[len(tag):] for line in lines if line.startswith(tag) and " of " in line]
+        assert shown == [f"line {i} of {r}" for i in range(len(shown))] and 0 < len(shown) < LINES
+        notice = next(line for line in lines if line.startswith(tag + "... more stdout"))
+        path = notice.rpartition(" goes to ")[2]
+        assert os.path.basename(path) == f"h{r // RANKS_PER_HOST}r{r}.stdout.log"
+        assert path.startswith(ip._xla_magic_session.workdir.path)  # the kernel's, which the notebook opens
+        assert f"(complete log: {path})" in lines
+        with open(path) as log:
+            assert log.read().splitlines() == [f"line {i} of {r}" for i in range(LINES)]
+        assert f"\x1b[31m[h{r // RANKS_PER_HOST} r{r}]\x1b[0m the end" in err  # stderr: tagged in red
+    for index in range(2):  # nothing was kept on the hosts
+        assert not glob.glob(f"{root(hosts, index)}/tmp/**/*.std*.log", recursive=True)
