@@ -32,6 +32,7 @@ class Cell:
     live_lines: bool = False
     spmd: sharding.SpmdOptions | None = None
     xla_report: str | None = None
+    place: dict[str, Any] | None = None  # on one of several hosts: the kernel's place (xla_magic.place), not this one
 
 
 @dataclass(frozen=True)

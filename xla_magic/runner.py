@@ -107,7 +107,7 @@ class Runner:
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell.source, filename)
         values = payload.select_names(names, cell.user_ns, cell.hidden)
-        here = place.current(self.launcher.environment_changes() if self.launcher is not None else None)
+        here = cell.place or place.current(self.launcher.environment_changes() if self.launcher is not None else None)
         delivered = False
         try:
             shipping, changed = ranks.shipping.fields(values)

@@ -109,20 +109,25 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
     return _outcome(start_pool)
 
 
-def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None) -> HostOutcome:
-    """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them."""
+def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
+             kernel_place: dict[str, Any]) -> HostOutcome:
+    """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
+
+    The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
+    changed since they last did, as on one host."""
     here = _require()
     values = _take(here, sent, names)
-    return _outcome(lambda: _pool(here).run_cell(Cell(source, values, timeout=timeout)))
+    return _outcome(lambda: _pool(here).run_cell(Cell(source, values, timeout=timeout, place=kernel_place)))
 
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-              world: protocol.World, devices: int) -> HostOutcome:
+              kernel_place: dict[str, Any], world: protocol.World, devices: int) -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
     values = _take(here, sent, names)
     pool = _pool(here)
-    cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True)
+    cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
+                place=kernel_place)
     return _outcome(lambda: pool.run_fresh(cell, world))
 
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, protocol
+from xla_magic import payload, place, protocol
 from xla_magic.hosts import discovery, on_host
 from xla_magic.hosts.launch import DEFAULT_TEMPLATE, HostEngineSetLauncher, KernelControllerLauncher, template_words
 from xla_magic.hosts.request import HostsRequest, label
@@ -68,6 +68,8 @@ class HostsPool:
         self.cells = 0
         self.started = time.time()
         self.start_seconds: float | None = None
+        # The kernel's environment as the pool started: its changes since then travel to every host's ranks.
+        self.base_environment = dict(os.environ)
         for index, host in enumerate(hosts):
             try:
                 template_words(self.template, host, index)
@@ -256,17 +258,19 @@ class HostsPool:
                              f"{cell.devices} contradicts it; leave --devices out, or %xla_pool restart "
                              f"--devices {cell.devices}")
         sending = self.shipping.prepare(user_values(cell))  # checked here, run by each host's pool
+        # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
+        here = place.current(place.environment_changes(self.base_environment))
         if cell.fresh:
             devices = cell.devices or self.devices
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
             calls = [self.client[engine].apply_async(on_host.run_fresh, cell.source, sending.for_host(index),
-                                                     sending.names, cell.timeout, world, devices)
+                                                     sending.names, cell.timeout, here, world, devices)
                      for index, (engine, world) in enumerate(zip(self.engines, worlds))]
         else:
             devices = self.devices
             calls = [self.client[engine].apply_async(on_host.run_cell, cell.source, sending.for_host(index),
-                                                     sending.names, cell.timeout)
+                                                     sending.names, cell.timeout, here)
                      for index, engine in enumerate(self.engines)]
         record = self._record(cell.source, devices)
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices)
