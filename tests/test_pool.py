@@ -391,7 +391,7 @@ def test_interrupt_while_a_large_value_is_shipped_leaves_nothing_and_keeps_it(ip
 
 
 def test_a_crash_that_breaks_the_pool_leaves_no_shared_memory(ip, pool, spawn):
-    prefix = pool.shipping.held.segments.prefix
+    prefix = pool.ranks.shipping.held.segments.prefix
     ip.user_ns["weights"] = torch.ones(BIG)
     spawn("", "float(weights.sum())")
     assert len(mapped_here(prefix)) == 1  # the kernel keeps its copy to compare with
@@ -413,7 +413,7 @@ def test_push_sends_a_large_value_through_shared_memory(ip, pool, spawn):
 
 
 def test_large_results_and_pulled_values_come_back_through_shared_memory(ip, pool, spawn):
-    prefix = pool.results.prefix
+    prefix = pool.ranks.results.prefix
     run = spawn("", f"import torch\nbig = torch.full(({BIG},), float(rank))\nbig")
     assert [float(value[-1]) for value in run.value] == [0.0, 1.0]
     # The kernel maps each rank's segment and unlinked it at once: it owns the memory.
@@ -579,7 +579,7 @@ def test_a_rank_that_keeps_printing_in_the_background_does_not_hold_up_its_cells
 
 
 def test_tpu_launch_path_keeps_namespaces_and_survives_an_interrupt(ip, thread_pool, spawn):
-    assert thread_pool.backend == "tpu" and thread_pool.cpu_threads
+    assert thread_pool.ranks.backend == "tpu" and thread_pool.ranks.cpu_threads
     run = spawn("", "import os, threading\nkept = (rank, os.getpid())\nthreading.current_thread().name")
     assert all(name != "MainThread" for name in run.value)
     # Rank threads share a process, yet each maps its own copy-on-write view.
