@@ -132,6 +132,7 @@ class Ranks:
         self.place: dict[str, Any] | None = None  # the kernel's directory and path, as the ranks last got them
         self.results = transport.RunSegments()  # where ranks put large results and pulled values
         self.store: str | None = None  # the gloo store's directory, for the set's life
+        self.hang_after: float | None = None  # a pool's --hang-after, for cells that give none (watch.py)
         self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
         self._seq = 0
 

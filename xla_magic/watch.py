@@ -33,14 +33,6 @@ WHEN = {"interrupt": "when interrupted", "timeout": "when --timeout stopped it",
         "failure": "when the failure stopped the others"}
 
 
-def check_hang_after(value: float | None) -> None:
-    from IPython.core.error import UsageError
-
-    if value is not None and not value > 0:
-        raise UsageError(f"--hang-after must be a number of seconds above 0 (got {value:g}); for example "
-                         f"--hang-after 120 waits two minutes before a hang is reported")
-
-
 class Watch:
     """One request's watchdog and its reading of where the ranks are."""
 
@@ -67,7 +59,10 @@ class Watch:
         record = self.request.record
         if rank not in record.ranks:
             return
-        self._asked.pop(rank, None) if fields.get("probe") == self._probe else None
+        complete = False
+        if fields.get("probe") == self._probe and rank in self._asked:
+            del self._asked[rank]
+            complete = not self._asked
         answer = dict(fields)
         record.stacks[rank] = answer
         record.ranks[rank].where = stacks.summary(answer)
@@ -75,6 +70,8 @@ class Watch:
         before = self._at.get(rank)
         if before is None or before[0] != spot:
             self._at[rank] = (spot, self._quiet_since if before is None else time.monotonic())
+        if complete and not self._capturing:
+            self._judge(time.monotonic())
 
     def _unanswered(self, ranks: list[int]) -> None:
         record = self.request.record
@@ -113,15 +110,13 @@ class Watch:
             self._at.clear()
         if self._asked and now - min(self._asked.values()) > ANSWER_WAIT:
             self._unanswered(list(self._asked))
+            self._judge(now)
         running = self._at_cell()
         if not running or not request.sent or request.stop_reason is not None:
             return
         if now - self._quiet_since >= self.every and now - self._looked >= self.every and not self._asked:
             self._looked = now
             self._ask(running)
-            return
-        if not self._asked and self._looked:
-            self._judge(now)
 
     def _judge(self, now: float) -> None:
         request = self.request
