@@ -16,6 +16,7 @@ import subprocess
 from typing import Any, Callable
 
 GIL_BUSY = "busy in native code that holds the GIL"
+CELL_FRAME = "<xla_spawn cell"
 PYSPY_TIMEOUT = 10.0
 
 
@@ -219,8 +220,28 @@ def pyspy_dump(pid: int) -> str | None:
                               timeout=PYSPY_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"(py-spy could not read process {pid}: {exc})"
-    text = done.stdout if done.returncode == 0 else (done.stderr or done.stdout)
-    return text.strip() or None
+    if done.returncode != 0:
+        return f"(py-spy could not read process {pid}: {(done.stderr or done.stdout).strip()})"
+    return _gil_holder(done.stdout) or None
+
+
+def _gil_holder(dump: str) -> str:
+    """py-spy's section of the thread that holds the GIL, from its innermost frame to the cell's outermost line."""
+    sections: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.startswith("Thread "):
+            sections.append([line])
+        elif sections and line.strip():
+            sections[-1].append(line.strip())
+    if not sections:
+        return dump.strip()
+    section = next((s for s in sections if "+gil" in s[0]), sections[0])
+    cell = [i for i, line in enumerate(section) if CELL_FRAME in line]
+    return "\n".join(section[: cell[-1] + 1] if cell else section)
+
+
+def pyspy_installed() -> bool:
+    return (shutil.which("py-spy") or _beside_python("py-spy")) is not None
 
 
 def _beside_python(name: str) -> str | None:

@@ -55,14 +55,14 @@ class Watch:
     # -- answers -----------------------------------------------------------
 
     def take(self, rank: int, fields: dict[str, Any]) -> None:
-        """A rank's STACKS answer (an older probe's too: where it is is news)."""
+        """A rank's STACKS answer to the open probe; a late one (to a probe given up on) is old news, dropped."""
         record = self.request.record
-        if rank not in record.ranks:
+        if rank not in record.ranks or fields.get("probe") != self._probe or rank not in self._asked:
             return
-        complete = False
-        if fields.get("probe") == self._probe and rank in self._asked:
-            del self._asked[rank]
-            complete = not self._asked
+        if self.request.stop_reason is not None:
+            return  # the stop has moved the ranks since
+        del self._asked[rank]
+        complete = not self._asked
         answer = dict(fields)
         record.stacks[rank] = answer
         record.ranks[rank].where = stacks.summary(answer)
@@ -78,7 +78,7 @@ class Watch:
         for rank in ranks:
             answer = {"rank": rank, "unanswered": stacks.GIL_BUSY, "pid": self.request.ranks.pids.get(rank)}
             pid = answer["pid"]
-            dump = stacks.pyspy_dump(pid) if pid and self._capturing else None
+            dump = stacks.pyspy_dump(pid) if pid and self._capturing and not process_stopped(pid) else None
             if dump:
                 answer["pyspy"] = dump
             record.stacks[rank] = answer
@@ -88,7 +88,7 @@ class Watch:
     def _at_cell(self) -> list[int]:
         """The asked ranks still at the cell, whose samplers run (a rank not yet started has none)."""
         request = self.request
-        return [rank for rank in request.unsettled() if request.record.ranks[rank].state in ("running", "stopped")]
+        return [rank for rank in request.unsettled() if request.record.ranks[rank].state == "running"]
 
     def _ask(self, ranks: list[int]) -> None:
         self._probe += 1
@@ -162,8 +162,10 @@ class Watch:
             return
         self._capturing = True
         try:
-            for rank in running:
+            for rank in request.unsettled():
                 request.record.stacks.pop(rank, None)
+                if request.record.ranks[rank].state == "stopped":  # SIGSTOP: it cannot answer, nor be read
+                    request.record.stacks[rank] = {"unanswered": "stopped by a signal (SIGSTOP or SIGTSTP)"}
             self._ask(running)
             deadline = time.monotonic() + ANSWER_WAIT
             while self._asked and time.monotonic() < deadline:

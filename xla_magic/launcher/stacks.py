@@ -145,7 +145,7 @@ def doing(stack: list[tuple[str, int, str, str, bool]], innermost: types.FrameTy
         return {"kind": "transfer", "call": f".{callee}()", "line": line}
     if callee in COLLECTIVES:
         return {"kind": "collective", "call": callee, "line": line}
-    return {"kind": "python", "call": callee, "line": line}
+    return {"kind": "python", "call": None, "line": line}  # a name read from bytecode is a guess: none
 
 
 def _alias(file: str) -> str:
