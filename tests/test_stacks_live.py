@@ -9,9 +9,7 @@ it is in place, never after a guessed delay.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import threading
 import time
 from typing import Callable
@@ -19,6 +17,7 @@ from typing import Callable
 import pytest
 from IPython.utils.capture import capture_output
 
+from helpers import Listening, press_stop
 from xla_magic import stacks
 from xla_magic.display import RunInterrupted
 from xla_magic.record import RunRecord
@@ -27,17 +26,16 @@ HANG_AFTER = 2.0
 DEADLINE = 240.0  # bounds a failure only
 
 
-def interrupt_when(ip, ready: Callable[[RunRecord], bool]) -> threading.Event:
-    """SIGINT to this process (the stop button, as a kernel gets it) once ``ready(record)`` holds."""
+def interrupt_when(ip, ready: Callable[[RunRecord], bool]) -> tuple[Listening, threading.Event]:
+    """Press the stop button (SIGINT to this process, as a kernel gets it) once ``ready(record)`` holds."""
     sent = threading.Event()
 
     def listener(record: RunRecord) -> None:
         if not sent.is_set() and ready(record):
             sent.set()
-            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+            threading.Thread(target=press_stop, daemon=True).start()
 
-    ip._xla_magic_session.listeners.append(listener)
-    return sent
+    return Listening(ip._xla_magic_session, listener), sent
 
 
 def printed(mark: str, ranks: int = 2) -> Callable[[RunRecord], bool]:
@@ -46,12 +44,9 @@ def printed(mark: str, ranks: int = 2) -> Callable[[RunRecord], bool]:
 
 def interrupted(ip, line: str, cell: str, ready: Callable[[RunRecord], bool]) -> tuple[RunInterrupted, str]:
     """Run the cell, interrupt it once ``ready``; the error and what the cell showed."""
-    sent = interrupt_when(ip, ready)
-    try:
-        with capture_output() as captured, pytest.raises(RunInterrupted) as caught:
-            ip.run_cell_magic("xla_spawn", line, cell)
-    finally:
-        ip._xla_magic_session.listeners.clear()
+    listening, sent = interrupt_when(ip, ready)
+    with listening, capture_output() as captured, pytest.raises(RunInterrupted) as caught:
+        ip.run_cell_magic("xla_spawn", line, cell)
     assert sent.is_set()
     return caught.value, captured.stdout
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from xla_magic import stacks
 from xla_magic.ranks import process_stopped
+from xla_magic.troubleshooting import see
 
 if TYPE_CHECKING:
     from xla_magic.request import Request
@@ -204,8 +205,8 @@ class Watch:
                 for rank in ranks:
                     request.rank_state(rank, "stopped")
                 print(f"[{request.tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
-                      f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell.",
-                      flush=True)
+                      f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell. "
+                      + see("rank-stopped-by-signal"), flush=True)
             elif not stopped and pid in self.stopped_pids:
                 self.stopped_pids.discard(pid)
                 for rank in ranks:

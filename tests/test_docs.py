@@ -1,0 +1,331 @@
+"""The docs site (docs/, mkdocs.yml) and the README against the code.
+
+The site builds strict (broken links, missing pages and stale generated pages
+fail); each page's claims are checked against the code's own source of truth
+(the magics' parsers, the strategy class, the known-problem table, the
+layout), so the docs cannot drift. Runs in the test process, with the shared
+IPython shell; only the first example starts ranks, and the build runs
+mkdocs in a process of its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def readme() -> str:
+    return README.read_text(encoding="utf-8")
+
+
+def page(name: str) -> str:
+    """One page of the site, docs/NAME.md."""
+    return (DOCS / f"{name}.md").read_text(encoding="utf-8")
+
+
+def section(name: str, title: str) -> str:
+    """A page's text under its '## title' heading, up to the next '## '."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", page(name), re.MULTILINE | re.DOTALL)
+    assert match, f"docs/{name}.md has no '## {title}' section"
+    return match.group(1)
+
+
+def doc_script(name: str):
+    """One of docs/'s generators (a script, not a package module), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return doc_script("magic_reference")
+
+
+def test_readme_opens_with_the_two_commands():
+    lines = [line for line in readme().splitlines() if line.strip()]
+    assert lines[0].startswith("# ")
+    assert lines[1] == "```bash"
+    assert lines[2].startswith("make demo")
+    assert lines[3].startswith("make test")
+
+
+def test_the_site_builds_strict_and_offline(tmp_path):
+    """`make docs`'s build: any warning (a broken link or anchor, a page out of the nav, a stale
+    generated page) fails it. The built pages load nothing from another host."""
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
+    # From another directory: nothing (the changelog's snippet included) may depend on where mkdocs runs.
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    newest = re.search(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.MULTILINE)
+    assert newest and newest.group(1) in (site / "changelog.html").read_text(encoding="utf-8")
+    built = {path.name for path in site.glob("*.html")}
+    assert {f"{path.stem}.html" for path in DOCS.glob("*.md")} <= built
+    assert (site / "search" / "search_index.json").exists()
+    for html in site.glob("*.html"):
+        text = html.read_text(encoding="utf-8")
+        remote = re.findall(r"<(?:link|script|img)\b[^>]*(?:href|src)=\"(?:https?:)?//[^\"]*\"", text)
+        assert remote == [], f"{html.name} loads {remote}"
+    assert "Run notebook cells on every TPU core" in (site / "index.html").read_text(encoding="utf-8")
+
+
+def test_the_home_page_is_the_readme():
+    hooks = doc_script("hooks")
+    home = hooks.readme_as_home_page()
+    assert "](docs/" not in home and "Run notebook cells on every TPU core" in home
+    for target in re.findall(r"\]\(([^)#]+)", home):
+        if "://" not in target:
+            assert (DOCS / target).exists(), f"the home page links to {target}, which docs/ does not have"
+
+
+def test_the_readme_is_a_landing_page():
+    assert len(readme().splitlines()) <= 200
+    for link in re.findall(r"\]\((docs/[^)#]+\.md)", readme()):
+        assert (ROOT / link).exists()
+    assert "make docs" in readme() and "mkdocs serve" in readme()
+
+
+def test_every_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for path in DOCS.glob("*.md"):
+        assert re.search(rf":\s+{re.escape(path.name)}$", nav, re.MULTILINE), f"mkdocs.yml's nav lacks {path.name}"
+
+
+def test_magic_reference_matches_the_magics(ip, reference):
+    current = reference.section_in(page("reference"))
+    assert current is not None, "docs/reference.md lost its magic-reference markers"
+    assert current == reference.render(ip), (
+        "docs/reference.md is stale: run python docs/magic_reference.py"
+    )
+
+
+def test_every_option_of_every_magic_is_in_the_reference(ip, reference):
+    text = page("reference")
+    magics = reference.xla_magics(ip)
+    assert "xla_spawn" in magics
+    for name, (prefix, function) in magics.items():
+        assert f"`{prefix}{name}`" in text, f"{prefix}{name} is not documented"
+        parser = getattr(function, "parser", None)
+        for action in reference.options(parser) if parser else []:
+            for flag in action.option_strings:
+                assert f"`{flag}`" in text, f"{prefix}{name} {flag} is not documented"
+            for choice in action.choices or ():
+                assert f"`{choice}`" in text, f"{prefix}{name} {action.dest}={choice} is not documented"
+
+
+def rank_strategy_members() -> set[str]:
+    """Public attributes of the rank's strategy, read from its source (no import)."""
+    tree = ast.parse((ROOT / "xla_magic" / "launcher" / "strategy.py").read_text(encoding="utf-8"))
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "RankStrategy")
+    members = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            members.add(node.name)
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for target in ast.walk(node):
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    if target.value.id == "self" and isinstance(target.ctx, ast.Store):
+                        members.add(target.attr)
+    return {name for name in members if not name.startswith("_")}
+
+
+def documented_strategy_members() -> set[str]:
+    """The names in docs/cells.md's table headed | `strategy.` |."""
+    text = page("cells")
+    table = re.search(r"^\| `strategy\.` \|.*?\n\n", text, re.MULTILINE | re.DOTALL)
+    assert table, "docs/cells.md has no | `strategy.` | table"
+    return set(re.findall(r"^\| `(\w+)[(`]", table.group(0), re.MULTILINE))
+
+
+def test_strategy_table_matches_the_rank_strategy():
+    code, documented = rank_strategy_members(), documented_strategy_members()
+    assert code - documented == set(), f"add these to docs/cells.md's strategy table: {sorted(code - documented)}"
+    assert documented - code == set(), f"docs/cells.md documents strategy members that do not exist: {sorted(documented - code)}"
+
+
+def test_in_cell_names_are_documented():
+    text = page("cells")
+    for name in ("rank", "world_size", "device", "strategy"):
+        assert f"| `{name}` |" in text
+
+
+# An entry: its stable anchor (an HTML id, which GitHub and the site both honour), then its heading.
+TROUBLESHOOTING_ENTRY = re.compile(r'^(?:<a id="([a-z0-9-]+)"></a>\n\n)?## `([^`]+)`$', re.MULTILINE)
+
+
+def troubleshooting_entries() -> list[tuple[str, str]]:
+    """(message, id) of each entry: the heading ## `message`, and the <a id="id"></a> just above it."""
+    return [(message, anchor) for anchor, message in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))]
+
+
+def troubleshooting_messages() -> list[str]:
+    """Headings of the form ## `message`: an error message a user may see."""
+    return [message for message, _ in troubleshooting_entries()]
+
+
+def test_each_troubleshooting_entry_has_a_stable_id():
+    entries = troubleshooting_entries()
+    ids = [anchor for _, anchor in entries]
+    assert all(ids), f"entries without an <a id>: {[message for message, anchor in entries if not anchor]}"
+    assert len(set(ids)) == len(ids), "two troubleshooting entries share an id"
+
+
+# Messages of other tools, listed because users meet them before they switch.
+OTHER_TOOLS = ("Can't get attribute '_mp_fn'", "Unsupported nprocs")
+
+
+def source_text() -> str:
+    return "\n".join(path.read_text(encoding="utf-8") for path in sorted((ROOT / "xla_magic").rglob("*.py")))
+
+
+def fragments(message: str) -> list[str]:
+    """The literal runs of a message: what stays once example values are cut out."""
+    parts = re.split(r"'[^']*'|\([^)]*\)|\d+(?:\.\d+)?G?|/dev/\S+|strategy\.\w+|%%?xla_\w+|: |, so ", message)
+    return [part.strip(" :,.") for part in parts if len(part.strip(" :,.").split()) >= 2]
+
+
+def test_each_troubleshooting_message_is_real():
+    from xla_magic.display import known_problem
+
+    source = source_text()
+    messages = troubleshooting_messages()
+    assert len(messages) >= 8
+    for message in messages:
+        if known_problem(message) or any(tool in message for tool in OTHER_TOOLS):
+            continue
+        pieces = fragments(message)
+        assert pieces, f"no literal text to check in {message!r}"
+        for piece in pieces:
+            assert piece in source, f"docs/troubleshooting.md quotes {message!r}, but xla_magic never says {piece!r}"
+
+
+def test_each_known_problem_is_in_troubleshooting():
+    from xla_magic.display import KNOWN_PROBLEMS
+
+    messages = troubleshooting_messages()
+    for pattern, advice in KNOWN_PROBLEMS:
+        assert any(re.search(pattern, message, re.IGNORECASE) for message in messages), (
+            f"docs/troubleshooting.md has no message for the known problem {pattern!r} ({advice[:60]}...)"
+        )
+
+
+def linked_entries() -> dict[str, list[str]]:
+    """Every troubleshooting.see("ID") in xla_magic's source: ID -> the modules that link to it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "xla_magic").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "see":
+                assert len(node.args) == 1 and isinstance(node.args[0], ast.Constant), (
+                    f"{path.name}:{node.lineno}: see() takes one literal entry id, so this test can check it"
+                )
+                found.setdefault(node.args[0].value, []).append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_each_message_links_to_an_entry_that_exists():
+    from xla_magic.troubleshooting import PAGE
+
+    assert PAGE == "docs/troubleshooting.md" and (ROOT / PAGE).exists()
+    anchors = {anchor for _, anchor in troubleshooting_entries()}
+    linked = linked_entries()
+    assert len(linked) >= 15, sorted(linked)
+    missing = {entry: modules for entry, modules in linked.items() if entry not in anchors}
+    assert missing == {}, f"messages link to troubleshooting entries that do not exist: {missing}"
+
+
+def test_each_known_problem_links_to_the_entry_for_its_message():
+    from xla_magic.display import KNOWN_PROBLEMS
+
+    entries = {anchor: message for message, anchor in troubleshooting_entries()}
+    for pattern, advice in KNOWN_PROBLEMS:
+        link = re.search(r"See docs/troubleshooting\.md#([a-z0-9-]+)\.$", advice)
+        assert link, f"the advice for {pattern!r} does not end with its troubleshooting link: {advice!r}"
+        assert re.search(pattern, entries[link.group(1)], re.IGNORECASE), (
+            f"{pattern!r} links to #{link.group(1)}, whose message is {entries[link.group(1)]!r}"
+        )
+
+
+def test_a_refusal_names_its_entry(monkeypatch):
+    """A real refusal on this machine (no TPU chips): --backend tpu without PJRT_DEVICE."""
+    from xla_magic import probe
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    assert probe.find_tpu() is None
+    with pytest.raises(probe.PlacementError) as info:
+        probe.place("tpu", None)
+    message = str(info.value)
+    assert message.startswith("no TPU was found on this machine")
+    assert message.endswith("See docs/troubleshooting.md#no-tpu-found.")
+    entries = dict((anchor, text) for text, anchor in troubleshooting_entries())
+    assert message.startswith(entries["no-tpu-found"])
+
+
+def test_local_links_resolve():
+    for target in re.findall(r"\]\(([^)#]+)\)", readme()):
+        if "://" in target:
+            continue
+        assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_every_module_is_in_the_layout_table():
+    text = section("development", "The code's layout")
+    for path in sorted((ROOT / "xla_magic").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name == "xla_magic/launcher/__init__.py":
+            continue
+        assert f"| `{name}` |" in text, f"docs/development.md's layout table does not describe {name}"
+
+
+def test_the_first_example_shows_what_it_prints(spawn):
+    text = readme()
+    cell = re.search(r"```python\n(%%xla_spawn[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
+    assert cell, "README's first %%xla_spawn example and its output are missing"
+    line, body, shown = cell.group(1), cell.group(2), cell.group(3).splitlines()
+    run = spawn(line[len("%%xla_spawn") :], body)
+    *lines, value = shown
+    assert repr(run.value) == value
+    for printed in lines:
+        if printed != "...":
+            assert printed in run.lines(), f"the example shows {printed!r}, the cell printed {run.lines()}"
+
+
+@pytest.fixture(scope="module")
+def figures():
+    return doc_script("figures")
+
+
+def test_the_setup_and_suite_figures_are_the_measured_ones(figures):
+    """docs/figures.md's figures are docs/figures.py's rendering of its last measurement, and the counts are today's."""
+    import json
+    import os
+    import sys
+
+    if os.environ.get("XLA_MAGIC_RESULTS"):
+        pytest.skip("this run is the measurement (docs/figures.py --measure) that writes the figures")
+
+    measured = json.loads(figures.FIGURES.read_text())
+    assert figures.section_in(page("figures")) == figures.render(measured), (
+        "docs/figures.md's set-up figures are not docs/figures.json's: run python docs/figures.py"
+    )
+    for stack in figures.STACKS:
+        now = figures.collected(sys.executable, stack)
+        assert measured["stacks"][stack]["collected"] == now, (
+            f"the {stack} stack collects {now} tests, docs/figures.md says "
+            f"{measured['stacks'][stack]['collected']}: measure again with python docs/figures.py --measure"
+        )
+        assert measured["stacks"][stack]["failed"] == 0, f"the measured {stack} run failed tests"
