@@ -59,15 +59,6 @@ def block(error: BaseException, who: str) -> list[str]:
     return lines[start:end]
 
 
-@pytest.fixture(scope="module")
-def pool(ip):
-    ip.run_line_magic("xla_pool", f"start --devices 2 --hang-after {HANG_AFTER:g}")
-    try:
-        yield ip
-    finally:
-        ip.run_line_magic("xla_pool", "stop")
-
-
 def test_one_shot_interrupt_says_rank_0_waits_in_all_reduce_while_rank_1_loops(ip):
     cell = (
         "import torch, torch_xla.core.xla_model as xm\n"
@@ -90,6 +81,62 @@ def test_one_shot_interrupt_says_rank_0_waits_in_all_reduce_while_rank_1_loops(i
     assert rank_1[1] in ("    line 7: while True:", "    line 8: n += 1")
     record = ip._xla_magic_session.history[-1]
     assert record.stacks_when == "when interrupted" and record.hang is None
+
+
+def test_a_rank_in_a_c_call_that_holds_the_gil_is_named(ip):
+    cell = (
+        "import re, time\n"
+        "print('in place', flush=True)\n"
+        "if rank == 1:\n"
+        "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+        "time.sleep(600)\n"
+    )
+    # Once in the C call it stays there: interrupt when the watchdog found it not answering.
+    error, _ = interrupted(ip, f"--devices 2 --hang-after {HANG_AFTER:g}", cell,
+                           lambda record: record.ranks[1].where.startswith("did not answer"))
+    rank_1 = block(error, "rank 1")
+    assert rank_1[0] == "rank 1: did not answer: busy in native code that holds the GIL"
+    if stacks.pyspy_installed():  # read from outside: the C call, then the cell's line it was called from
+        assert rank_1[1] == "    py-spy dump, native frames included:"
+        assert re.fullmatch(r"\s+match \(re/__init__\.py:\d+\)", rank_1[-2]), rank_1
+        assert re.fullmatch(r"\s+<module> \(<xla_spawn cell \d+>:4\)", rank_1[-1]), rank_1
+    assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(600)"]
+
+
+def test_tpu_launch_path_rank_threads_each_say_where_they_are(ip, monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    cell = (
+        "import time\n"
+        "print('in place', flush=True)\n"
+        "if rank == 0:\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "while True:\n"
+        "    sum(range(1000))\n"
+    )
+    error, _ = interrupted(ip, "--backend tpu --devices 2", cell, printed("in place"))
+    assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(0.05)"]
+    rank_1 = block(error, "rank 1")
+    assert rank_1[0] in ("rank 1: running Python (line 6)", "rank 1: running Python (line 7)"), rank_1
+
+
+def test_spmd_process_says_where_it_is(ip):
+    cell = "import time\nprint('in place', flush=True)\ntime.sleep(600)\n"
+    error, _ = interrupted(ip, "--spmd --devices 2", cell, printed("in place", ranks=1))
+    assert block(error, "the SPMD process") == ["the SPMD process: sleeping in time.sleep (line 3)",
+                                                "    line 3: time.sleep(600)"]
+
+
+# --- in a pool (these last: a running pool takes the cells above) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def pool(ip):
+    ip.run_line_magic("xla_pool", f"start --devices 2 --hang-after {HANG_AFTER:g}")
+    try:
+        yield ip
+    finally:
+        ip.run_line_magic("xla_pool", "stop")
 
 
 def test_pool_rendezvous_only_rank_0_makes_is_named_a_hang_then_the_pool_goes_on(pool):
@@ -147,47 +194,3 @@ def test_pool_sleep_on_every_rank_is_only_slow(pool):
     assert "xla_magic:" not in shown
     assert pool._xla_magic_session.history[-1].hang is None
     assert block(error, "ranks 0, 1") == ["ranks 0, 1: sleeping in time.sleep (line 3)", "    line 3: time.sleep(600)"]
-
-
-def test_a_rank_in_a_c_call_that_holds_the_gil_is_named(ip):
-    cell = (
-        "import re, time\n"
-        "print('in place', flush=True)\n"
-        "if rank == 1:\n"
-        "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
-        "time.sleep(600)\n"
-    )
-    # Once in the C call it stays there: interrupt when the watchdog found it not answering.
-    error, _ = interrupted(ip, f"--devices 2 --hang-after {HANG_AFTER:g}", cell,
-                           lambda record: record.ranks[1].where.startswith("did not answer"))
-    rank_1 = block(error, "rank 1")
-    assert rank_1[0] == "rank 1: did not answer: busy in native code that holds the GIL"
-    if stacks.pyspy_installed():  # read from outside: the C call, then the cell's line it was called from
-        assert rank_1[1] == "    py-spy dump, native frames included:"
-        assert re.fullmatch(r"\s+match \(re/__init__\.py:\d+\)", rank_1[-2]), rank_1
-        assert re.fullmatch(r"\s+<module> \(<xla_spawn cell \d+>:4\)", rank_1[-1]), rank_1
-    assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(600)"]
-
-
-def test_tpu_launch_path_rank_threads_each_say_where_they_are(ip, monkeypatch):
-    monkeypatch.setenv("PJRT_DEVICE", "CPU")
-    cell = (
-        "import time\n"
-        "print('in place', flush=True)\n"
-        "if rank == 0:\n"
-        "    while True:\n"
-        "        time.sleep(0.05)\n"
-        "while True:\n"
-        "    sum(range(1000))\n"
-    )
-    error, _ = interrupted(ip, "--backend tpu --devices 2", cell, printed("in place"))
-    assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(0.05)"]
-    rank_1 = block(error, "rank 1")
-    assert rank_1[0] in ("rank 1: running Python (line 6)", "rank 1: running Python (line 7)"), rank_1
-
-
-def test_spmd_process_says_where_it_is(ip):
-    cell = "import time\nprint('in place', flush=True)\ntime.sleep(600)\n"
-    error, _ = interrupted(ip, "--spmd --devices 2", cell, printed("in place", ranks=1))
-    assert block(error, "the SPMD process") == ["the SPMD process: sleeping in time.sleep (line 3)",
-                                                "    line 3: time.sleep(600)"]
