@@ -241,8 +241,7 @@ class Request:
                     self._rank_state(rank, "stopped")
                 print(f"[{self._tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
                       f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell. "
-                      + see("rank-stopped-by-signal"),
-                      flush=True)
+                      + see("rank-stopped-by-signal"), flush=True)
             elif not stopped and pid in self.stopped_pids:
                 self.stopped_pids.discard(pid)
                 for rank in ranks:
