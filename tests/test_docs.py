@@ -214,6 +214,57 @@ def test_each_known_problem_is_in_troubleshooting():
         )
 
 
+def linked_entries() -> dict[str, list[str]]:
+    """Every troubleshooting.see("ID") in xla_magic's source: ID -> the modules that link to it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "xla_magic").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "see":
+                assert len(node.args) == 1 and isinstance(node.args[0], ast.Constant), (
+                    f"{path.name}:{node.lineno}: see() takes one literal entry id, so this test can check it"
+                )
+                found.setdefault(node.args[0].value, []).append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_each_message_links_to_an_entry_that_exists():
+    from xla_magic.troubleshooting import PAGE
+
+    assert PAGE == "docs/troubleshooting.md" and (ROOT / PAGE).exists()
+    anchors = {anchor for _, anchor in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))}
+    linked = linked_entries()
+    assert len(linked) >= 15, sorted(linked)
+    missing = {entry: modules for entry, modules in linked.items() if entry not in anchors}
+    assert missing == {}, f"messages link to troubleshooting entries that do not exist: {missing}"
+
+
+def test_each_known_problem_links_to_the_entry_for_its_message():
+    from xla_magic.display import KNOWN_PROBLEMS
+
+    entries = {anchor: message for message, anchor in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))}
+    for pattern, advice in KNOWN_PROBLEMS:
+        link = re.search(r"See docs/troubleshooting\.md#([a-z0-9-]+)\.$", advice)
+        assert link, f"the advice for {pattern!r} does not end with its troubleshooting link: {advice!r}"
+        assert re.search(pattern, entries[link.group(1)], re.IGNORECASE), (
+            f"{pattern!r} links to #{link.group(1)}, whose message is {entries[link.group(1)]!r}"
+        )
+
+
+def test_a_refusal_names_its_entry(monkeypatch):
+    """A real refusal on this machine (no TPU chips): --backend tpu without PJRT_DEVICE."""
+    from xla_magic import probe
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    assert probe.find_tpu() is None
+    with pytest.raises(probe.PlacementError) as info:
+        probe.place("tpu", None)
+    message = str(info.value)
+    assert message.startswith("no TPU was found on this machine")
+    assert message.endswith("See docs/troubleshooting.md#no-tpu-found.")
+    entries = dict((anchor, text) for text, anchor in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting")))
+    assert message.startswith(entries["no-tpu-found"])
+
+
 def test_local_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)\)", readme()):
         if "://" in target:
