@@ -120,7 +120,7 @@ def kernel_ready(kernel: subprocess.Popen, busy: bool = False) -> tuple[int, str
     for line in kernel.stdout:
         word, _, rest = line.partition(" ")
         said[word] = said.get(word, "") + rest
-        spinning += rest.strip() == "spinning"
+        spinning += line.rstrip().endswith("] spinning")  # a rank's tagged line
         if "PROFILE" in said and (not busy or spinning == 2 * RANKS_PER_HOST):
             return int(said["READY"]), said["PROFILE"].strip()
     raise AssertionError(f"the kernel did not start its pool (exit {kernel.poll()}): {said}")

@@ -279,6 +279,7 @@ def test_a_directory_the_hosts_lack_is_an_error_naming_each_host(ip, pool, hosts
     finally:
         os.rmdir(only_here)
     shown = "\n".join(raised.value.render_lines())
+    assert all(f"h{r // RANKS_PER_HOST} r{r}" in shown for r in range(WORLD))  # every rank, by its host
     for index in range(2):
         assert f"h{index}" in raised.value.summary
         assert f"{only_here} cannot be used here (on {hosts.hostname(index)})" in shown
