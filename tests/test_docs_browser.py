@@ -4,8 +4,8 @@ A reader's view: the site that ``make docs`` builds, served by Python's
 http.server on 127.0.0.1, opened in Debian's chromium (driven by Playwright,
 as tests/test_browser.py does). The reader searches for an error message
 with nothing but the built files (search runs in the page, offline), follows
-the hit to its troubleshooting entry, and the page shows it under the
-navigation. The screenshot goes into docs/images/ only when asked
+the hit to its troubleshooting entry, and opens the link an error message
+gives (``docs/troubleshooting.md#ID``) as the site's page. The screenshot goes into docs/images/ only when asked
 (``--update-images``, or XLA_MAGIC_UPDATE_IMAGES=1), else into a temporary
 folder.
 """
@@ -87,10 +87,19 @@ def test_a_reader_searches_for_an_error_and_lands_on_its_entry(site, images):
             page.screenshot(path=str(images / "docs_search.png"))
 
             hit.click()
-            page.wait_for_url(re.compile(r"/troubleshooting\.html(\?h=libtpu)?#kernel-loaded-libtpu$"))
-            entry = page.locator("#kernel-loaded-libtpu")
-            assert "this kernel has loaded libtpu" in entry.inner_text()
-            assert entry.is_visible()
+            page.wait_for_url(re.compile(r"/troubleshooting\.html\?h=libtpu#"))
+            heading = page.locator("h2", has_text="this kernel has loaded libtpu")
+            heading.wait_for()
+            assert heading.is_visible()
+
+            # The link an error message gives (See docs/troubleshooting.md#kernel-loaded-libtpu.), on the site.
+            page.goto(f"{site}/troubleshooting.html#kernel-loaded-libtpu")
+            heading.wait_for()
+            assert page.evaluate(
+                "() => { const r = document.getElementById('kernel-loaded-libtpu').getBoundingClientRect();"
+                " return r.top >= 0 && r.top < window.innerHeight; }"
+            ), "the entry's anchor is not in view"
+            assert heading.is_visible()
         finally:
             browser.close()
     assert requests_elsewhere == [], f"the site fetched from elsewhere: {requests_elsewhere}"
