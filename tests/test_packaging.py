@@ -12,7 +12,10 @@ leave ``pip check`` with nothing to say about xla_magic.
 The release's files: ``python -m build`` writes the sdist and a wheel built
 from it, both pass ``twine check``; a clean virtual environment builds a wheel
 from the sdist alone, and that wheel, installed with its ``local`` extra into a
-fresh environment, runs a ``%%xla_spawn`` cell on the CPU simulation.
+fresh environment, runs a ``%%xla_spawn`` cell on the CPU simulation. In that
+environment, which has what ``pip install ".[local]"`` brings and a kernel, the
+quickstart runs top to bottom: the cells that need what it does not bring
+(matplotlib, Lightning) skip with a one-line note.
 """
 
 from __future__ import annotations
@@ -280,3 +283,51 @@ def test_installing_on_colabs_pins_changes_nothing(wheel, tmp_path, no_deps):
         assert freeze(python, tmp_path) == before
     assert any(requirement_name(line) == "xla-magic" for line in run([python, "-m", "pip", "freeze"], cwd=tmp_path).splitlines())
     assert complaints_about_us(python, tmp_path) == []
+
+
+# Runs in the venv of the local extra: the quickstart as a user's Jupyter runs it there, then a check cell.
+QUICKSTART = r"""
+import sys
+import nbformat
+from nbclient import NotebookClient
+
+notebook = nbformat.read(sys.argv[1], as_version=4)
+notebook.cells.append(nbformat.v4.new_code_cell(
+    "import importlib.util, sys, xla_magic\n"
+    "print('WHERE', sys.executable, xla_magic.__file__, importlib.util.find_spec('matplotlib'))"
+))
+NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": sys.argv[2]}}).execute()
+nbformat.write(notebook, sys.argv[1])
+"""
+
+
+def test_the_quickstart_runs_where_the_local_install_puts_a_user(local_venv, tmp_path):
+    import jupytext
+    import nbformat
+
+    path = tmp_path / "quickstart.ipynb"
+    nbformat.write(jupytext.read(ROOT / "notebooks" / "quickstart.py"), path)
+    run([str(local_venv / "bin" / "python"), "-c", QUICKSTART, str(path), str(tmp_path)], cwd=tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+    def shown(cell) -> str:
+        return "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream")
+
+    word, kernel, package, matplotlib = shown(code[-1]).split()
+    assert word == "WHERE" and kernel.startswith(str(local_venv)) and package.startswith(str(local_venv))
+    assert matplotlib == "None"  # the local extra brings none
+    for cell in code:
+        if "raises-exception" not in cell.metadata.get("tags", []):
+            errors = [f"{out.ename}: {out.evalue}" for out in cell.outputs if out.output_type == "error"]
+            assert not errors, f"cell failed: {cell.source[:80]!r}: {errors}"
+    (train,) = [cell for cell in code if "xm.optimizer_step(optimizer)" in cell.source]
+    assert ("[rank 0] skipped: the loss curve needs matplotlib, which is not installed here "
+            "(pip install matplotlib)") in shown(train)
+    assert not [out for out in train.outputs if "image/png" in out.get("data", {})]
+    assert any("4 ranks, all with the same weights: True" in shown(cell) for cell in code)  # trained all the same
+    lightning = [cell for cell in code if cell.source.startswith("%%needs lightning")]
+    assert len(lightning) == 3
+    for cell in lightning:
+        assert shown(cell) == ("skipped: this cell needs lightning, which is not installed here "
+                               "(pip install lightning)\n")
