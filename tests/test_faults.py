@@ -601,6 +601,7 @@ def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
         spawn("--devices 2", f"raise RuntimeError({message!r})")
     rendered = "\n".join(info.value._render_traceback_())
     assert "What to do: " in rendered and advice in rendered
+    assert re.search(r"What to do: .* See docs/troubleshooting\.md#[a-z0-9-]+\.$", rendered, re.MULTILINE), rendered
     if advice == HOST_ADVICE:
         assert DEVICE_ADVICE not in rendered
     else:

@@ -211,3 +211,71 @@ def test_every_line_of_every_rank_reaches_the_kernel_in_order_and_the_fold_names
         assert f"\x1b[31m[h{r // RANKS_PER_HOST} r{r}]\x1b[0m the end" in err  # stderr: tagged in red
     for index in range(2):  # nothing was kept on the hosts
         assert not glob.glob(f"{root(hosts, index)}/tmp/**/*.std*.log", recursive=True)
+
+
+# --- the kernel's place on every host ---------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel_place():
+    """A directory every host has (the simulated hosts share the file system but /tmp and /dev/shm), holding a
+    module; the kernel's directory, sys.path and environment put back afterwards."""
+    import shutil
+    import sys
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="xla_magic-place-", dir=os.path.expanduser("~"))
+    os.makedirs(os.path.join(shared, "other"))
+    with open(os.path.join(shared, "placed_module.py"), "w") as module:
+        module.write("WHERE = 'the kernel put me on the path'\n")
+    cwd, path, environment = os.getcwd(), list(sys.path), dict(os.environ)
+    try:
+        yield shared
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(environment)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+PLACE = "import os, sys\n(os.getcwd(), os.environ.get('XLA_MAGIC_TEST_PLACE'), '{path}' in sys.path)"
+
+
+def test_the_kernel_s_directory_path_and_environment_reach_every_host_as_on_one_host(ip, pool, kernel_place):
+    import sys
+
+    os.chdir(kernel_place)
+    sys.path.insert(0, kernel_place)
+    os.environ["XLA_MAGIC_TEST_PLACE"] = "kernel's"
+    value, _, _ = cell(ip, "import placed_module\n" + PLACE.format(path=kernel_place) + " + (placed_module.WHERE,)")
+    assert value == [(kernel_place, "kernel's", True, "the kernel put me on the path")] * WORLD
+    # A cell's own change lasts until the kernel's changes.
+    cell(ip, "os.chdir('/')\nos.environ['XLA_MAGIC_TEST_PLACE'] = 'the cell s'")
+    assert cell(ip, PLACE.format(path=kernel_place))[0] == [("/", "the cell s", True)] * WORLD
+    other = os.path.join(kernel_place, "other")
+    ip.run_line_magic("cd", other)
+    os.environ["XLA_MAGIC_TEST_PLACE"] = "kernel's again"
+    assert cell(ip, PLACE.format(path=kernel_place))[0] == [(other, "kernel's again", True)] * WORLD
+    sys.path.remove(kernel_place)
+    del os.environ["XLA_MAGIC_TEST_PLACE"]
+    assert cell(ip, PLACE.format(path=kernel_place))[0] == [(other, None, False)] * WORLD
+
+
+def test_a_directory_the_hosts_lack_is_an_error_naming_each_host(ip, pool, hosts, kernel_place):
+    from xla_magic.display import RankError
+
+    only_here = f"/tmp/xla_magic-place-{uuid.uuid4().hex[:8]}"  # the kernel's /tmp: no host has it
+    os.makedirs(only_here)
+    try:
+        ip.run_line_magic("cd", only_here)
+        with pytest.raises(RankError) as raised:
+            cell(ip, "rank")
+    finally:
+        os.rmdir(only_here)
+    shown = "\n".join(raised.value.render_lines())
+    for index in range(2):
+        assert f"h{index}" in raised.value.summary
+        assert f"{only_here} cannot be used here (on {hosts.hostname(index)})" in shown
+    ip.run_line_magic("cd", kernel_place)
+    assert cell(ip, "import os\nos.getcwd()")[0] == [kernel_place] * WORLD  # the pool goes on
