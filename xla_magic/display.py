@@ -327,7 +327,8 @@ class RankError(Exception):
                 body = failure.traceback.rstrip("\n") or failure.headline()
                 lines.extend(prefix + line for line in body.splitlines())
             if len(same) > self.SHOW_SAME:
-                others = ", ".join(str(f.rank) for f in same[self.SHOW_SAME :])
+                # "ranks 1, 2"; across hosts "ranks h0 r1, h1 r2"
+                others = ", ".join(self.label(f.rank).removeprefix("rank ") for f in same[self.SHOW_SAME :])
                 lines.append(f"... ranks {others} failed the same way ({same[0].headline()})")
         advice = self.advice()
         if advice:

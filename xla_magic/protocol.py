@@ -53,6 +53,8 @@ DISPLAY = "display"
 # rank -> kernel, with a cell's reply: what XLA did during the cell (launcher/xla_account.py)
 # (none from a rank in which XLA did nothing during the cell)
 XLA = "xla"
+# rank -> kernel, with a cell's reply under --profile: where its process's trace files are (launcher/profiling.py)
+PROFILE = "profile"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"

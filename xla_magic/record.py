@@ -24,6 +24,8 @@ class RankState:
     # What XLA did in the rank during the cell (launcher/xla_account.py), once it ended;
     # rank threads of one process share one account, which names them all.
     xla: dict[str, Any] | None = None
+    # Where its process's profile of the cell is (--profile; launcher/profiling.py), shared like ``xla``.
+    profile: dict[str, Any] | None = None
 
     @property
     def elapsed(self) -> float:
@@ -47,6 +49,13 @@ class RunRecord:
     # stops as if the notebook's stop button had been pressed.
     interrupt_requested: bool = False
     xla_report: str = "auto"  # --xla-report: auto, full or off
+    profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
+
+    def take_profile(self, where: dict[str, Any]) -> None:
+        """Where a rank process's trace of the cell is (protocol.PROFILE), for every rank it covers."""
+        for rank in where.get("ranks", ()):
+            if rank in self.ranks:
+                self.ranks[rank].profile = where
 
     def take_xla(self, account: dict[str, Any]) -> None:
         """A rank's account of what XLA did (protocol.XLA), for every rank it covers."""

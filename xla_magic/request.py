@@ -336,6 +336,8 @@ class Request:
             self._take_result(rank, fields)
         elif kind == protocol.XLA:
             self.record.take_xla(fields["account"])
+        elif kind == protocol.PROFILE:
+            self.record.take_profile(fields["profile"])
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
                 self._rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
