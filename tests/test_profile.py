@@ -113,3 +113,14 @@ def test_xla_profile_before_any_profile_is_a_usage_error(ip):
             ip.run_line_magic("xla_profile", "")
     finally:
         session.last_profiled = last
+
+
+def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    spawn("--devices 2 --backend tpu --profile", "import torch, torch_xla\ny = (torch.ones(4, device=device) * 5).sum()\n"
+          "torch_xla.sync()")
+    record = ip._xla_magic_session.last_profiled
+    [one] = profile_view.lanes(record)  # the profiler is one per process: the first thread in starts it, the last stops it
+    assert one.ranks == [0, 1] and not one.problem, one.problem
+    assert record.ranks[0].profile is record.ranks[1].profile
+    assert len(profile_view.trace_files(record.profile)) == 1

@@ -134,10 +134,13 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
     cell_thread = (marker["pid"], marker["tid"]) if marker else next(
         (key for key, name in names.items() if name == "python"), None)
     open_ends: list[tuple[float, str | None]] = []  # the cell thread's enclosing events: end, kind
+    compiling_until = -1.0  # the end of the cell thread's compile now open: its passes are skipped at once
     for e in events:
         start, duration, name = e["ts"] - origin, float(e.get("dur", 0)), e["name"]
         key = (e.get("pid"), e.get("tid"))
         kind = NAMED.get(name)
+        if kind is None and start < compiling_until and key == cell_thread:
+            continue
         on_device = processes.get(e.get("pid"), "").startswith("/device:") or "PjRtCpuClient" in names.get(key, "")
         if on_device and kind is None:
             if not NOT_OPS.search(name):
@@ -154,6 +157,8 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
                 elif around <= {"annotation"} and "::" not in name and name not in HOST_STEPS:
                     kind = "annotation"
             open_ends.append((start + duration, kind))
+            if kind == "compile":
+                compiling_until = start + duration
         elif kind is None and COLLECTIVE.search(name):
             kind = "collective/wait"
         if kind is not None:
