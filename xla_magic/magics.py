@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import keyword
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -14,7 +15,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from xla_magic import profile_view, widget, xla_report
-from xla_magic.display import in_notebook
+from xla_magic.display import in_notebook, syntax_error_in_cell
+from xla_magic.payload import transform
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
 
@@ -156,8 +158,9 @@ class XlaMagics(Magics):
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
                 spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
             )
-        except SyntaxError as exc:  # the cell's own mistake, found before anything ran: show it, not our frames
-            raise exc.with_traceback(None) from None
+        except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
+            shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())
+            raise shown from shown.error
         if args.out:
             self.shell.user_ns[args.out] = results
         # Like a cell ending in print(...): nothing worth showing.
