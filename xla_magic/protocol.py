@@ -57,6 +57,8 @@ XLA = "xla"
 # the rank is (launcher/stacks.py), read by a thread of its own; ``probe``
 # names the question, so a late answer to an older one is told apart
 STACKS = "stacks"
+# rank -> kernel, with a cell's reply under --profile: where its process's trace files are (launcher/profiling.py)
+PROFILE = "profile"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"

@@ -39,7 +39,8 @@ import types
 from typing import Any, Callable, Iterator
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt, lifetime, place, rank as rank_module, shell, stacks, xla_account, xla_analysis
+from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, rank as rank_module, shell, stacks,
+                                xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -187,7 +188,7 @@ class RankServer:
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
-        self._xla_frame = b""  # the cell's account of what XLA did (XLA), sent with its reply
+        self._xla_frame = b""  # the cell's account of what XLA did (XLA), and its profile (PROFILE), sent with its reply
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
@@ -333,7 +334,7 @@ class RankServer:
             memory.start()
         try:
             self.phase = "cell"
-            with self._accounted(fields), interrupt.Cell():
+            with self._profiled(fields), self._accounted(fields), interrupt.Cell():
                 value = self.home.run(fields["source"], body, last)
             self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
@@ -345,6 +346,22 @@ class RankServer:
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
         return self._result_frame(fields, value)
+
+    @contextlib.contextmanager
+    def _profiled(self, fields: dict[str, Any]) -> Iterator[None]:
+        """The cell in torch_xla's profiler when the kernel asked for it (--profile; see profiling.py)."""
+        directory = fields.get("profile")
+        if not directory:
+            yield
+            return
+        profiler = profiling.profiler()
+        profiler.begin(self.rank, directory)
+        try:
+            yield
+        finally:
+            where = profiler.end()
+            if where is not None:
+                self._xla_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
 
     @contextlib.contextmanager
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
@@ -369,7 +386,7 @@ class RankServer:
                 except Exception:
                     account = None
                 if account is not None:
-                    self._xla_frame = protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
+                    self._xla_frame += protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
 
     def push(self, fields: dict[str, Any]) -> None:
         values = transport.load_namespace(fields["values"])[0]
