@@ -124,3 +124,22 @@ def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
     assert one.ranks == [0, 1] and not one.problem, one.problem
     assert record.ranks[0].profile is record.ranks[1].profile
     assert len(profile_view.trace_files(record.profile)) == 1
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"not gzip at all", "could not be read"),
+    (None, "wrote no trace.json.gz"),
+])
+def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, problem):
+    from xla_magic.record import RankState, RunRecord
+
+    path = tmp_path / "vm.trace.json.gz"
+    if content is not None:
+        path.write_bytes(content)
+    record = RunRecord(run_id=7, cell="x = 1", backend="cpu", devices=1, ranks={0: RankState(state="done")},
+                       profile=str(tmp_path))
+    record.take("profile", {"ranks": [0], "host": "h", "trace": str(path) if content is not None else "",
+                            "xplane": "", "error": ""})
+    [one] = profile_view.lanes(record)
+    assert problem in one.problem
+    assert problem in profile_view.text(record) and problem in profile_view.page(record)
