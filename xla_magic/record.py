@@ -51,14 +51,10 @@ class RunRecord:
     xla_report: str = "auto"  # --xla-report: auto, full or off
     profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
 
-    def take_profile(self, where: dict[str, Any]) -> None:
-        """Where a rank process's trace of the cell is (protocol.PROFILE), for every rank it covers."""
-        for rank in where.get("ranks", ()):
+    def take(self, kind: str, fact: dict[str, Any]) -> None:
+        """A rank process's fact about the cell, for every rank it covers: its account of what XLA did
+        (protocol.XLA, into ``RankState.xla``) or where its profile is (protocol.PROFILE, ``RankState.profile``)."""
+        attribute = {"xla": "xla", "profile": "profile"}[kind]
+        for rank in fact.get("ranks", ()):
             if rank in self.ranks:
-                self.ranks[rank].profile = where
-
-    def take_xla(self, account: dict[str, Any]) -> None:
-        """A rank's account of what XLA did (protocol.XLA), for every rank it covers."""
-        for rank in account.get("ranks", ()):
-            if rank in self.ranks:
-                self.ranks[rank].xla = account
+                setattr(self.ranks[rank], attribute, fact)

@@ -334,10 +334,8 @@ class Request:
             return  # a reply to a request the kernel gave up on
         elif kind == protocol.RESULT:
             self._take_result(rank, fields)
-        elif kind == protocol.XLA:
-            self.record.take_xla(fields["account"])
-        elif kind == protocol.PROFILE:
-            self.record.take_profile(fields["profile"])
+        elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
+            self.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
                 self._rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
