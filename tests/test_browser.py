@@ -143,6 +143,18 @@ if rank == 0:
     plt.show()
 display(HTML(f"<b>rank {rank}</b> is done"))"""
 
+# --profile: the timeline under the cell, one lane per rank (docs/profiling.md's picture).
+PROFILE_CELL = """%%xla_spawn --devices 2 --profile
+import torch, torch_xla
+import torch_xla.debug.profiler as xp
+w = torch.randn(16, 4, device=device)
+for n in [8, 8, 5]:
+    with xp.Trace("forward"):
+        x = torch.randn(n, 16, device=device)
+        y = (x @ w).relu().sum()
+    torch_xla.sync()
+y.item()"""
+
 CELLS = [
     "%load_ext xla_magic",
     "%%xla_spawn --devices 8\nimport torch\nx = torch.ones(2, device=device) * rank\n"
@@ -162,6 +174,7 @@ CELLS = [
     "%xla_report",
     # A rank's plot and display(), as a notebook shows them.
     PLOT_CELL,
+    PROFILE_CELL,
 ]
 
 
@@ -421,7 +434,7 @@ def test_what_xla_did_shows_under_the_cell_and_as_a_table(page, server):
 def check_xla_report(page) -> None:
     run_and_wait(page, 6)
     summary = cell(page, 6).locator(FRONT_END.output)
-    summary.get_by_text("recompiled at line 12 (torch_xla.sync()): input shapes changed").wait_for()
+    summary.get_by_text("recompiled at line 12 (torch_xla.sync()): shapes changed").wait_for()
     text = summary.inner_text()
     assert "17 device→host syncs (line 13: losses.append(loss.item()) ×16)" in text, text
     assert "CPU fallback aten::nonzero ×1 (line 14)" in text, text
@@ -457,3 +470,23 @@ def check_rank_plot(page) -> None:
         assert output.locator("b", has_text=f"rank {rank}").count() == 1  # display(HTML(...)), rendered
     if FRONT_END is LAB:  # the README's picture
         cell(page, index).screenshot(path=str(IMAGES / "rank_plot.png"))
+
+
+def test_a_profiled_cell_shows_its_timeline(page, server):
+    with evidence(page, server, "profile"):
+        check_profile(page)
+
+
+def check_profile(page) -> None:
+    index = CELLS.index(PROFILE_CELL)
+    run_and_wait(page, 0)  # this test can run alone
+    run_and_wait(page, index)
+    picture = cell(page, index).locator(f"{FRONT_END.output} .xla-profile")
+    picture.locator("svg.xla-timeline").wait_for()
+    svg = picture.locator("svg.xla-timeline")
+    assert svg.locator("text", has_text="rank 0").count() == 1 and svg.locator("text", has_text="rank 1").count() == 1
+    assert svg.locator("rect.xla-compile").count() == 6  # three graphs on each rank
+    assert svg.locator("rect.xla-annotation").count() == 6  # xp.Trace("forward"), three steps on each rank
+    assert svg.evaluate("element => element.getBoundingClientRect().width") > 300
+    if FRONT_END is LAB:  # docs/profiling.md's picture
+        picture.screenshot(path=str(IMAGES / "profile_timeline.png"))

@@ -20,7 +20,7 @@ from IPython.utils.capture import capture_output
 
 from conftest import BACKING, kernel_is_xla_free
 from xla_magic import transport
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
 
 
 def pool_magic(ip, line: str) -> str:
@@ -204,7 +204,7 @@ def test_syntax_errors_and_unpicklable_values_stop_before_the_ranks(ip, pool, sp
 
     session = ip._xla_magic_session
     last_run = session.history[-1]  # the pool's start, at least
-    with pytest.raises(SyntaxError):
+    with pytest.raises(CellSyntaxError):
         spawn("", "x = (1,\nprint(x")
     ip.user_ns["held_lock"] = threading.Lock()
     with pytest.raises(UsageError, match=r"'held_lock' \(_thread\.lock\)"):

@@ -48,6 +48,7 @@ class LocalPool:
         backend = options.backend or "auto"
         placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
         ranks = Ranks(placement, keep=True, requested_backend=backend, workdir=runner.workdir, world=world)
+        ranks.hang_after = options.hang_after
         record = runner.record(runner.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=runner.notify, live_lines=options.live_lines)
@@ -106,7 +107,7 @@ class LocalPool:
         ranks.check_fits(cell.devices, cell.backend, cell.spmd)
         ranks.check_usable()
         self.runner.guard_kernel(ranks)
-        return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report)
+        return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report, cell.hang_after or ranks.hang_after)
 
     def run_fresh(self, cell: Cell, world: protocol.World | None = None) -> Any:
         """``cell`` in ranks spawned for it beside the pool's (one host's part of a fresh ``world``, if given)."""
@@ -146,7 +147,8 @@ class LocalPool:
             spmd = old_spmd_options(old, options.devices)
         options = options.but(devices=options.devices if options.devices is not None else old.devices,
                               backend=options.backend or old.requested_backend,
-                              xla_report=options.xla_report or self.xla_report, spmd=spmd)
+                              xla_report=options.xla_report or self.xla_report, spmd=spmd,
+                              hang_after=options.hang_after or old.hang_after)
         plan(options.backend, options.devices, "%xla_pool restart", spmd)  # bad options keep the old pool
         self.stop()
         return LocalPool.start(self.runner, options, old.world)

@@ -33,6 +33,8 @@ class Cell:
     spmd: sharding.SpmdOptions | None = None
     xla_report: str | None = None
     place: dict[str, Any] | None = None  # on one of several hosts: the kernel's place (xla_magic.place), not this one
+    profile: bool = False  # --profile
+    hang_after: float | None = None  # --hang-after (watch.py)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class PoolOptions:
     xla_report: str | None = None
     hosts: list[str] | None = None  # a pool across these hosts (one engine each)
     template: str | None = None  # with hosts: the command that starts an engine on a host
+    hang_after: float | None = None  # --hang-after, for the pool's cells that give none
 
     def but(self, **changes: Any) -> PoolOptions:
         return replace(self, **changes)

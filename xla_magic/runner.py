@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, probe, protocol, sharding, xla_report
+from xla_magic import payload, place, probe, profile_view, protocol, sharding, xla_report
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pool import Cell
@@ -64,6 +64,7 @@ class Runner:
         self.listeners: list[Callable[[RunRecord], None]] = []
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
         self.last_cell: RunRecord | None = None
+        self.last_profiled: RunRecord | None = None  # the last --profile cell, for %xla_profile
 
     # -- the launcher ------------------------------------------------------
 
@@ -97,13 +98,15 @@ class Runner:
         placement = plan(cell.backend, cell.devices, "%%xla_spawn", cell.spmd)
         ranks = Ranks(placement, keep=False, requested_backend=cell.backend, workdir=self.workdir, world=world)
         try:
-            return self.cell(ranks, cell, cell.xla_report or "auto")
+            return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
             ranks.stop()
 
-    def cell(self, ranks: Ranks, cell: Cell, report: str = "auto") -> Any:
+    def cell(self, ranks: Ranks, cell: Cell, report: str = "auto", hang_after: float | None = None) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         run_id = self.next_run_id()
+        # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
+        profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell.source, filename)
         values = payload.select_names(names, cell.user_ns, cell.hidden)
@@ -116,15 +119,18 @@ class Runner:
             transformed = {"code": code} if code != cell.source else {}
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell.source, filename=filename,
                                     has_result=has_result, results_to=ranks.results.prefix,
-                                    xla_report=report != "off", **transformed, **place.changed(here, ranks.place),
-                                    **shipping)
+                                    xla_report=report != "off", **profiled, **transformed,
+                                    **place.changed(here, ranks.place), **shipping)
             launching = ranks.state == "starting"
             record = self.record(run_id, cell.source, ranks)
             record.xla_report = report
+            record.profile = profiled.get("profile", "")
             self.last_cell = record  # %xla_report shows what XLA did in it
+            if cell.profile:
+                self.last_profiled = record  # %xla_profile shows it again
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.notify,
-                              live_lines=cell.live_lines)
+                              live_lines=cell.live_lines, hang_after=hang_after)
             if launching:
                 self.launch(ranks, record, first=frame)
             else:
@@ -135,6 +141,8 @@ class Runner:
                 return ranks.value(request.wait())
             finally:
                 xla_report.after_cell(record)
+                if cell.profile:
+                    profile_view.after_cell(record)
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)

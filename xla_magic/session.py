@@ -44,12 +44,15 @@ class Session(Runner):
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
+        profile: bool = False,
+        hang_after: float | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (``fresh``: in new ranks where it runs), else in new ranks.
 
         Its value: the list by rank, or (SPMD) the one value.
         """
-        request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report)
+        request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
+                       profile=profile, hang_after=hang_after)
         pool = self.current_pool()
         if pool is None:
             return self.one_shot(request)

@@ -253,6 +253,9 @@ class HostsPool:
         self.check_usable()
         if cell.spmd is not None:
             raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
+        if cell.profile:
+            raise UsageError("--profile records the ranks of one host; the pool runs on several hosts, where it "
+                             "is not supported yet (%xla_pool stop, then run the cell on this host)")
         if not cell.fresh and cell.devices is not None and cell.devices != self.devices:
             raise UsageError(f"the pool across hosts runs {self.devices} ranks per host, so --devices "
                              f"{cell.devices} contradicts it; leave --devices out, or %xla_pool restart "
