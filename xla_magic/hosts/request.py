@@ -144,11 +144,8 @@ class HostsRequest:
         if not self.echo:
             return
         for index, call in enumerate(self.calls):
-            # The client's own record of the call, as its thread fills it in (AsyncResult.stdout parses every
-            # date of the call's metadata at each read: the largest cost of following a cell in the kernel).
-            metadata = self.pool.client.metadata[call.msg_ids[0]]
             for stream in ("stdout", "stderr"):
-                text = metadata.get(stream) or ""
+                text = getattr(call, stream) or ""
                 start = self.shown.get((index, stream), 0)
                 end = len(text) if final else text.rfind("\n", start) + 1
                 if end > start:
