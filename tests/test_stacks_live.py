@@ -194,3 +194,27 @@ def test_pool_sleep_on_every_rank_is_only_slow(pool):
     assert "xla_magic:" not in shown
     assert pool._xla_magic_session.history[-1].hang is None
     assert block(error, "ranks 0, 1") == ["ranks 0, 1: sleeping in time.sleep (line 3)", "    line 3: time.sleep(600)"]
+
+
+def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thread_left_running(pool):
+    leaves_a_thread = (
+        "import threading, time\n"
+        "def nap():\n"
+        "    time.sleep(600)\n"
+        "threading.Thread(target=nap, name='napper', daemon=True).start()\n"
+    )
+    with capture_output():
+        pool.run_cell_magic("xla_spawn", "", leaves_a_thread)
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "")
+    lines = captured.stdout.splitlines()
+    now = lines.index("Where the pool's ranks are now:")
+    assert lines[0].startswith("Where each rank was when interrupted (cell ")  # the sleep test's, stopped last
+    assert "ranks 0, 1: sleeping in time.sleep (line 3)" in lines[:now]
+    assert lines[now + 1:] == ["ranks 0, 1: idle (no cell running)",
+                               "  thread 'napper': sleeping in time.sleep (line 3)",
+                               "    line 3 in nap: time.sleep(600)"]
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "--rank 1 --all")
+    assert "rank 1: idle (no cell running)" in captured.stdout
+    assert re.search(r"xla_magic/launcher/serve\.py:\d+ in serve", captured.stdout)  # --all: library frames too

@@ -229,6 +229,24 @@ class XlaMagics(Magics):
         profile_view.show(record, text=args.text)
 
     @magic_arguments()
+    @argument("-r", "--rank", type=int, default=None, help="only this rank's stack")
+    @argument("--all", action="store_true", help="keep the library frames (and every thread of the rank) unfolded")
+    @line_magic
+    def xla_stacks(self, line: str) -> None:
+        """Show where every rank was when the last cell was stopped or stuck, and where a pool's ranks are now.
+
+        The last stuck or stopped cell's stacks are those taken at the
+        watchdog's line, the interrupt, the timeout or fail-fast. In a pool
+        this also asks every rank where it is now, threads a cell left
+        running included. Ranks with the same stack show as one block
+        (``ranks 0-6``), the odd ones out first; ``--all`` keeps the library
+        frames. See the docs' "Stuck cells".
+        """
+        args = parse_argstring(self.xla_stacks, line)
+        for text in self.session.stacks(args.rank, args.all):
+            print(text)
+
+    @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")
     @line_magic
     def xla_status(self, line: str) -> None:
