@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Listening, press_stop
+from helpers import KERNEL_TIMEOUT, Kernel, Listening, press_stop, strip_ansi
 from xla_magic import stacks
 from xla_magic.display import RunInterrupted
 from xla_magic.record import RunRecord
@@ -218,3 +218,42 @@ def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thr
         pool.run_line_magic("xla_stacks", "--rank 1 --all")
     assert "rank 1: idle (no cell running)" in captured.stdout
     assert re.search(r"xla_magic/launcher/serve\.py:\d+ in serve", captured.stdout)  # --all: library frames too
+
+
+# --- through a real Jupyter kernel ------------------------------------------------------------
+
+
+def test_a_real_kernel_shows_the_watchdog_line_as_one_display_then_the_stop_says_where(tmp_path):
+    """In a notebook the line is display data, shown once and updated in place; the stop button's error says where."""
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        reply, text = kernel.run(f"%xla_pool start --devices 2 --hang-after {HANG_AFTER:g}")
+        assert reply["status"] == "ok", text
+        displays: list[dict] = []
+        chunks: list[str] = []
+
+        def hook(msg: dict) -> None:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind in ("display_data", "update_display_data") and "xla_magic:" in content["data"].get("text/plain", ""):
+                displays.append(msg)
+                if len(displays) == 1:
+                    kernel.manager.interrupt_kernel()  # the stop button, once the line is there
+            elif kind == "error":
+                chunks.append("\n".join(content["traceback"]))
+
+        cell = ("%%xla_spawn\nimport torch_xla.core.xla_model as xm\nif rank == 0:\n    xm.rendezvous('save')\n"
+                "print('done', flush=True)\n")
+        reply = kernel.client.execute_interactive(cell, timeout=KERNEL_TIMEOUT, output_hook=hook, stop_on_error=False)
+        assert displays, "no watchdog line"
+        first = displays[0]
+        assert first["msg_type"] == "display_data" and first["content"]["transient"].get("display_id")
+        assert all(m["msg_type"] == "update_display_data" for m in displays[1:])  # one line, updated
+        assert re.fullmatch(r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('save'\) \(line 3\); rank 1 "
+                            r"finished the cell\. .*", first["content"]["data"]["text/plain"])
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "RunInterrupted"
+        error = strip_ansi("\n".join(chunks))
+        assert "rank 0: waiting in xm.rendezvous('save') (line 3)\n    line 3: xm.rendezvous('save')" in error
+        assert "rank 1: finished the cell" in error
+    finally:
+        kernel.close()
