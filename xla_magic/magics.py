@@ -254,8 +254,9 @@ class XlaMagics(Magics):
 
         In a notebook this is a live ipywidgets panel: the ranks of the running
         (or last) cell with their state, elapsed time, lines, last line,
-        device memory, the processes each keeps (a pool's) and what XLA did in
-        them (once the cell ended), the recent runs with their XLA summary, and
+        device memory, the processes each keeps (a pool's), what XLA did in
+        them (once the cell ended) and where each is (what its stack sampler
+        last said, updated while a stuck cell runs), the recent runs with their XLA summary, and
         buttons to interrupt the run and stop the pool. Elsewhere it prints the
         same facts as text.
         """
