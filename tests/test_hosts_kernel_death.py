@@ -5,6 +5,7 @@ kernel process."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -36,6 +37,10 @@ def test_kernel_death_mid_cell_ends_every_host_s_engine_and_ranks_and_the_contro
         assert group_members(controller) == []  # its heart monitor too, which would keep engines alive
         for text in said:
             assert GONE in text, text  # the engine's own watch ended it, not missed heartbeats
+        for host in hosts.hosts():  # and it removed what the host's session and ranks kept in /tmp and /dev/shm
+            root = f"/proc/{host['pid']}/root"
+            kept = [path for top in ("tmp", "dev/shm") for path in glob.glob(f"{root}/{top}/xla_magic*")]
+            assert kept == [], kept
     finally:
         if kernel is not None and kernel.poll() is None:
             kernel.kill()

@@ -143,3 +143,17 @@ def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, probl
     [one] = profile_view.lanes(record)
     assert problem in one.problem
     assert problem in profile_view.text(record) and problem in profile_view.page(record)
+
+
+def test_a_failing_cell_still_shows_the_profile_of_the_rank_that_failed(ip, spawn):
+    from xla_magic.display import RankError
+
+    with capture_output() as shown, pytest.raises(RankError):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --profile",
+                          "import torch, torch_xla\ny = (torch.ones(4, device=device) * 2).sum()\ntorch_xla.sync()\n"
+                          "if rank == 1:\n    raise ValueError('boom')\nwhile True:\n    torch_xla.sync()")
+    record = ip._xla_magic_session.last_profiled
+    assert record.ranks[1].state == "failed" and record.ranks[1].profile is not None
+    assert "Profile of run" in shown.stdout and "rank 1 on " in shown.stdout
+    if record.ranks[0].profile is None:  # stopped by fail-fast before its cell ended
+        assert f"no trace from rank 0: 0 {record.ranks[0].state}" in shown.stdout

@@ -261,6 +261,9 @@ def files(record: RunRecord, found: list[Lane]) -> list[str]:
     lines = [f"{_who(one.ranks)} on {one.where.get('host', '?')}: "
              + (", ".join(p for p in (one.where.get("trace"), one.where.get("xplane")) if p) or one.problem)
              for one in found]
+    missing = {rank: state.state for rank, state in sorted(record.ranks.items()) if state.profile is None}
+    if missing:  # a rank stopped before its cell ended (fail-fast, an interrupt) sent no trace
+        lines.append(f"no trace from {_who(list(missing))}: " + ", ".join(f"{r} {s}" for r, s in missing.items()))
     lines += [f"XProf (or TensorBoard's profile plugin): xprof --logdir {record.profile} (one run per rank); "
               "Perfetto: open a trace.json.gz at https://ui.perfetto.dev",
               "the files are in the kernel's session directory, removed when the kernel ends: copy them to keep them"]

@@ -112,9 +112,11 @@ def _end_host(profile: str) -> None:
     import psutil
 
     os.write(_log_fd(), (GONE + "\n").encode())
+    killed = []
     for child in psutil.Process().children(recursive=True):  # the nanny, the launcher, its ranks, theirs
         try:
             child.kill()
+            killed.append(child.pid)
         except psutil.NoSuchProcess:
             pass
     timer = threading.Timer(CLEANUP_PATIENCE, os._exit, (0,))
@@ -125,6 +127,9 @@ def _end_host(profile: str) -> None:
 
         on_host.stop()  # its processes are dead already: it removes the session's directory and shared memory
     finally:
+        from xla_magic.launcher.xla_analysis import remove_analysis_of  # XLA-free, as the engine must stay
+
+        remove_analysis_of(killed)
         shutil.rmtree(profile, ignore_errors=True)
         os._exit(0)
 
