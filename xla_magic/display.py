@@ -301,8 +301,10 @@ class RankError(Exception):
         results: dict[int, object],
         summary: str = "",
         label: Callable[[int], str] = rank_label,
+        where: list[str] | None = None,
     ) -> None:
         self.failures = sorted(failures, key=lambda f: f.rank)
+        self.where = where or []  # where every rank was when the request was stopped (watch.py)
         self.results = results
         self.summary = summary
         self.label = label
@@ -330,6 +332,7 @@ class RankError(Exception):
                 # "ranks 1, 2"; across hosts "ranks h0 r1, h1 r2"
                 others = ", ".join(self.label(f.rank).removeprefix("rank ") for f in same[self.SHOW_SAME :])
                 lines.append(f"... ranks {others} failed the same way ({same[0].headline()})")
+        lines.extend(self.where)
         advice = self.advice()
         if advice:
             lines.append(f"What to do: {advice}")
@@ -350,12 +353,15 @@ class RankError(Exception):
 class RunInterrupted(KeyboardInterrupt):
     """The run was interrupted (stop button) and its ranks were stopped."""
 
-    def __init__(self, message: str, results: dict[int, object] | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, results: dict[int, object] | None = None,
+                 where: list[str] | None = None) -> None:
+        self.where = where or []  # where every rank was when it was stopped (watch.py)
+        super().__init__("\n".join([message, *self.where]))
         self.results = results or {}
 
     def _render_traceback_(self) -> list[str]:
-        return [f"{RED}RunInterrupted{RESET}: {self.args[0]}"]
+        message, *where = self.args[0].split("\n")
+        return [f"{RED}RunInterrupted{RESET}: {message}", *where]
 
 
 class CellSyntaxError(Exception):

@@ -19,6 +19,7 @@ from xla_magic.display import in_notebook, syntax_error_in_cell
 from xla_magic.payload import transform
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
+from xla_magic.watch import HANG_AFTER
 
 
 def device_count(text: str) -> int:
@@ -41,6 +42,29 @@ def seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--timeout must be more than 0 seconds, not {text}")
     return value
+
+
+def hang_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hang-after takes seconds, like --hang-after 120, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--hang-after must be more than 0 seconds, not {text}; leave it out for "
+                                         f"the default ({HANG_AFTER:g} s)")
+    return value
+
+
+def hang_after_argument(function: Any) -> Any:
+    """--hang-after, shared by %%xla_spawn and %xla_pool."""
+    return argument(
+        "--hang-after", type=hang_seconds, default=None, metavar="SECONDS",
+        help=f"how long ranks may wait at different collectives (or all in one) with no progress before a line "
+        f"under the cell says they hang (default {HANG_AFTER:g} s: a collective takes milliseconds once every rank "
+        f"is in it, and ranks drift apart longer only when one compiles or evaluates alone; a compile, a device op "
+        f"or a sleep on every rank is never called a hang). A rank waiting in a collective that ranks which "
+        f"finished the cell never made is reported within seconds",
+    )(function)
 
 
 def spmd_arguments(function: Any) -> Any:
@@ -117,6 +141,7 @@ class XlaMagics(Magics):
     )
     @spmd_arguments
     @xla_report_argument
+    @hang_after_argument
     @argument(
         "--profile", action="store_true",
         help="record the cell on every rank with torch_xla's profiler and show a timeline of where each rank's time "
@@ -157,6 +182,7 @@ class XlaMagics(Magics):
                 cell, args.devices, args.backend, args.timeout, args.fresh,
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
                 spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
+                hang_after=args.hang_after,
             )
         except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
             shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())
@@ -246,6 +272,7 @@ class XlaMagics(Magics):
     )
     @spmd_arguments
     @xla_report_argument
+    @hang_after_argument
     @line_magic
     def xla_pool(self, line: str) -> None:
         """Keep ranks alive between %%xla_spawn cells: a persistent pool.
@@ -291,10 +318,11 @@ class XlaMagics(Magics):
             self.session.start_hosts(old.hosts, old.template, args.devices or old.devices,
                                      args.backend or old.backend, spmd)
         elif args.action == "start":
-            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report)
+            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report,
+                                    hang_after=args.hang_after)
         elif args.action == "restart":
             self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd,
-                                      xla_report=args.xla_report)
+                                      xla_report=args.xla_report, hang_after=args.hang_after)
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":

@@ -24,6 +24,7 @@ class RankState:
     # What XLA did in the rank during the cell (launcher/xla_account.py), once it ended;
     # rank threads of one process share one account, which names them all.
     xla: dict[str, Any] | None = None
+    where: str = ""  # what the rank was doing when last asked (stacks.summary), while the cell runs
     # Where its process's profile of the cell is (--profile; launcher/profiling.py), shared like ``xla``.
     profile: dict[str, Any] | None = None
 
@@ -49,6 +50,11 @@ class RunRecord:
     # stops as if the notebook's stop button had been pressed.
     interrupt_requested: bool = False
     xla_report: str = "auto"  # --xla-report: auto, full or off
+    # Where each rank was, as its sampler last answered (launcher/stacks.py), and when that was
+    # (at the watchdog's warning, when interrupted ...); the watchdog's line, if it spoke.
+    stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stacks_when: str = ""
+    hang: str | None = None
     profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
 
     def take(self, kind: str, fact: dict[str, Any]) -> None:

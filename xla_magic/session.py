@@ -116,6 +116,7 @@ class Session:
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
         profile: bool = False,
+        hang_after: float | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (unless ``fresh``), else in new ranks.
 
@@ -136,13 +137,14 @@ class Session:
             pool.check_usable()
             self._guard_kernel(pool)
             return self._cell(pool, cell, user_ns, hidden, timeout, live_lines, xla_report or self.pool_xla_report,
-                              profile)
+                              profile, hang_after=hang_after or pool.hang_after)
         if pool is not None:
             pool.check_fresh_allowed()
         placement = plan(backend, devices, "%%xla_spawn", spmd)
         ranks = Ranks(placement, keep=False, requested_backend=backend, workdir=self.workdir)
         try:
-            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines, xla_report or "auto", profile)
+            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines, xla_report or "auto", profile,
+                              hang_after=hang_after)
         finally:
             ranks.stop()
 
@@ -156,6 +158,7 @@ class Session:
         live_lines: bool,
         report: str = "auto",
         profile: bool = False,
+        hang_after: float | None = None,
     ) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         run_id = self.next_run_id()
@@ -186,7 +189,7 @@ class Session:
                 self.last_profiled = record  # %xla_profile shows it again
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=timeout, on_update=self._notify,
-                              live_lines=live_lines)
+                              live_lines=live_lines, hang_after=hang_after)
             if launching:
                 self._launch(ranks, record, first=frame)
             else:
@@ -274,6 +277,7 @@ class Session:
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
+        hang_after: float | None = None,
     ) -> Ranks:
         """``%xla_pool start``: a pool of ready ranks (or, with ``spmd``, an SPMD process), or the one already running."""
         if self.current_hosts() is not None:
@@ -286,6 +290,7 @@ class Session:
             return running
         placement = plan(backend or "auto", devices, "%xla_pool start", spmd)
         pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir, world=self.world)
+        pool.hang_after = hang_after
         record = self._record(self.next_run_id(), "%xla_pool start", pool)
         start = Request(pool, record, 0, None, workdir=self.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=self._notify, live_lines=live_lines)
@@ -324,6 +329,7 @@ class Session:
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
+        hang_after: float | None = None,
     ) -> Ranks:
         """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
         old = self.current_pool()
@@ -333,9 +339,10 @@ class Session:
             devices = devices if devices is not None else old.devices
             backend = backend or old.requested_backend
             xla_report = xla_report or self.pool_xla_report
+            hang_after = hang_after or old.hang_after
             plan(backend, devices, "%xla_pool restart", spmd)  # bad options keep the old pool
             self.stop_pool()
-        return self.start_pool(devices, backend, live_lines, spmd, xla_report)
+        return self.start_pool(devices, backend, live_lines, spmd, xla_report, hang_after)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""

@@ -39,7 +39,7 @@ import types
 from typing import Any, Callable, Iterator
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, rank as rank_module, shell,
+from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, rank as rank_module, shell, stacks,
                                 xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
@@ -184,6 +184,7 @@ class RankServer:
         self._filename = "<xla_pool>"
         self._serving = ""  # the cell being served, or the last one, for errors outside it
         self._idle_failure: BaseException | None = None  # raised between requests, told with the next
+        self.phase = "idle"  # what its stack sampler reports the rank is at: idle, cell, closing (stacks.py)
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
@@ -332,11 +333,14 @@ class RankServer:
         if memory is not None:
             memory.start()
         try:
+            self.phase = "cell"
             with self._profiled(fields), self._accounted(fields), interrupt.Cell():
                 value = self.home.run(fields["source"], body, last)
+            self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
                 self.closing()
         finally:
+            self.phase = "idle"
             if memory is not None:
                 memory.stop()
         if not fields["has_result"]:
@@ -457,6 +461,8 @@ def serve(
     streams = capture.RankStreams(rank, sockets.out, sockets.err)
     capture.attach(streams)
     channel = protocol.Channel(sockets.events)
+    served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
+    stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].phase if served else "setup")
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
@@ -474,6 +480,7 @@ def serve(
                 rank_names = setup()
                 server = RankServer(rank, channel, streams, rank_names, closing if request is not None else None,
                                     one_shot=request is not None)
+                served.append(server)
             except BaseException as exc:  # anything from the runtime's start
                 streams.flush()
                 channel.send(protocol.ERROR, seq=waiting_seq, type=type(exc).__name__,
