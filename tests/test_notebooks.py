@@ -109,7 +109,8 @@ def test_the_committed_quickstart_keeps_its_outputs(quickstart):
     committed = read("quickstart.ipynb")
     ran = [bool(cell.outputs) for cell in quickstart.cells if cell.cell_type == "code"]
     kept = [bool(cell.outputs) for cell in committed.cells if cell.cell_type == "code"]
-    assert kept == ran, "notebooks/quickstart.ipynb lost outputs: run python notebooks/sync.py"
+    assert len(kept) == len(ran) and all(k for k, r in zip(kept, ran) if r), (
+        "notebooks/quickstart.ipynb lost outputs: run python notebooks/sync.py")
     assert "timing" not in str([cell.metadata for cell in committed.cells])  # written without execution times
 
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import sharding
+from xla_magic import sharding, watch
 from xla_magic.hosts.pool import HostsPool
 from xla_magic.local_pool import LocalPool
 from xla_magic.pool import Cell, Pool, PoolOptions
@@ -113,6 +113,13 @@ class Session(Runner):
     def pull(self, name: str, rank: int | None) -> Any:
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
         return self._usable_pool().pull(name, rank)
+
+    def stacks(self, rank: int | None, everything: bool) -> list[str]:
+        """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's on this host now.
+
+        A pool across hosts has no ranks here to ask (its engines answer one call at a time): there only
+        the last cell's stacks show."""
+        return watch.report(self.history, getattr(self.current_pool(), "ranks", None), rank, everything)
 
     def describe_pool(self) -> str:
         pool = self.current_pool()
