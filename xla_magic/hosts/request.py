@@ -26,6 +26,7 @@ from xla_magic.record import RunRecord
 if TYPE_CHECKING:
     from xla_magic.hosts.pool import HostsPool
 
+OUTPUT_PATIENCE = 10.0  # for a host's output to catch up with its reply (ipyparallel sends them apart)
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
 # A line as a host relays it: its rank's tag (red on stderr), then the line.
 TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
@@ -81,6 +82,9 @@ class HostsRequest:
                 if self.stopping == "interrupt":
                     self._give_up()  # a second Ctrl-C: stop waiting for the hosts
                 self._stop_hosts("interrupt")
+        for index, call in enumerate(self.calls):  # a host's reply can come before the last of its output
+            if self.outcomes[index]["outcome"] != "lost":
+                call.wait_for_output(OUTPUT_PATIENCE)
         self._show(final=True)
         for path in self.output.finish():
             print(f"(complete log: {path})")
