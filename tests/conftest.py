@@ -1,7 +1,11 @@
-"""Shared fixtures: one real IPython shell with the extension loaded.
+"""Shared fixtures: one real IPython shell with the extension loaded, and a check that no test leaks.
 
 The shell (and so its launcher) is shared by the whole session, which is
 honest: that is exactly how a notebook uses it, and it keeps the suite fast.
+Because it is shared, every test must leave it as it found it: the
+``nothing_left`` check below fails the test that leaves a listener, a pool,
+a child process, an environment variable or a temporary file behind (or
+removes a listener it did not add). Helpers live in helpers.py.
 """
 
 from __future__ import annotations
@@ -9,11 +13,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import pytest
 from IPython.utils.capture import capture_output
+
+from helpers import alive, stop_watching, wait_gone
 
 # gloo and the XLA runtime open ports of their own; keep them on loopback.
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -25,6 +33,16 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 # those tests would wait forever for an interrupt that never comes.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--update-images", action="store_true",
+                     help="write the browser tests' screenshots into docs/images/ (else a temporary folder)")
+
+
+# Every temporary file or folder a test makes with tempfile goes here, so the leak check sees this
+# run's only (the machine's /tmp is shared with other runs).
+tempfile.tempdir = tempfile.mkdtemp(prefix="xla_magic-tests-")
 
 
 @dataclass
@@ -58,6 +76,82 @@ def spawn(ip):
         return CellRun(value, captured.stdout, captured.stderr)
 
     return run
+
+
+@pytest.fixture
+def marks(ip, tmp_path):
+    """A fresh folder, also ``marks`` in the shell: a cell's ranks write a file there once they are in their loop."""
+    ip.user_ns["marks"] = str(tmp_path)
+    yield str(tmp_path)
+    ip.user_ns.pop("marks", None)
+
+
+def _children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True) if alive(child.pid)}
+
+
+def _session_processes(session) -> set[int]:
+    """The session's own launcher and what runs under it (kept across tests by design; the pool is checked apart)."""
+    launcher = getattr(session, "launcher", None)
+    if launcher is None or not alive(launcher.pid):
+        return set()
+    try:
+        return {launcher.pid, *(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _state(request) -> dict[str, Any]:
+    session = getattr(request.getfixturevalue("ip"), "_xla_magic_session", None) if "ip" in request.fixturenames else None
+    return {
+        "session": session,
+        "listeners": list(session.listeners) if session is not None else None,
+        "pool": session.pool if session is not None else None,
+        "children": _children(),
+        "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's own
+        "temp": set(os.listdir(tempfile.gettempdir())),
+    }
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(request):
+    """After every test: nothing it added is left, and nothing it did not add was removed; else it fails, named."""
+    before = _state(request)
+    yield
+    stop_watching()  # a wait for an event that never came acts in no later test
+    after = _state(request)
+    leaks = []
+    session = after["session"]
+    if session is not None and session is before["session"]:
+        from xla_magic import widget
+
+        panel = widget._panels.get(session)
+        ours = {id(panel.on_record)} if panel is not None else set()
+        added = [f for f in after["listeners"] if f not in before["listeners"] and id(f) not in ours]
+        removed = [f for f in before["listeners"] if f not in after["listeners"]]
+        if added:
+            leaks.append(f"listeners it added: {added}")
+        if removed:
+            leaks.append(f"listeners it removed that it did not add (the status panel's?): {removed}")
+        if after["pool"] is not None and after["pool"] is not before["pool"]:
+            leaks.append(f"a pool it started ({after['pool'].state}); stop it in a finally")
+    new = after["children"] - before["children"] - _session_processes(session)
+    if new:
+        left = wait_gone(new, within=30.0)  # what the test ended may take a moment to go
+        if left:
+            leaks.append(f"child processes: {[(p, ' '.join(psutil.Process(p).cmdline())[:80]) for p in left if alive(p)]}")
+    changed = {k for k in before["environ"].keys() | after["environ"].keys()
+               if before["environ"].get(k) != after["environ"].get(k)}
+    if changed:
+        leaks.append(f"environment variables it set or changed: {sorted(changed)} (use monkeypatch)")
+    workdir = session.workdir._path if session is not None else None
+    files = {name for name in after["temp"] - before["temp"]
+             if os.path.join(tempfile.gettempdir(), name) != workdir and not name.startswith("pytest-of-")
+             and os.path.exists(os.path.join(tempfile.gettempdir(), name))}
+    if files:
+        leaks.append(f"temporary files: {sorted(files)} in {tempfile.gettempdir()} (use tmp_path)")
+    if leaks:
+        pytest.fail(f"{request.node.nodeid} left behind: " + "; ".join(leaks), pytrace=False)
 
 
 def kernel_is_xla_free() -> bool:

@@ -1,0 +1,336 @@
+"""What the test files share, written once: the pool magic, waits on events, the stop button, kernels.
+
+Runs in the test process (the kernel side). Every wait here waits for an
+event (a predicate over real state: a process table, files a rank wrote, a
+listener's report, a kernel's output) with a generous deadline that only
+bounds a failure; none of them is a guessed duration.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import nbformat
+import psutil
+from IPython.utils.capture import capture_output
+
+# Colours and cursor moves (CSI sequences) as IPython, tqdm and the panel write them.
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+# How long a wait may take before it is a failure (a loaded 2-core machine is slow, never this slow).
+WITHIN = 240.0
+KERNEL_TIMEOUT = 240
+
+
+def strip_ansi(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+def pool_magic(ip, line: str) -> str:
+    """Run ``%xla_pool LINE`` in the shell; what it printed."""
+    with capture_output() as captured:
+        ip.run_line_magic("xla_pool", line)
+    return captured.stdout
+
+
+def wait_for(ready: Callable[[], Any], within: float = WITHIN, every: float = 0.02) -> Any:
+    """Poll ``ready()`` until it is truthy (its value) or ``within`` s passed (its last, falsy, value)."""
+    deadline = time.monotonic() + within
+    while not (value := ready()) and time.monotonic() < deadline:
+        time.sleep(every)
+    return value
+
+
+# --- processes -------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie has ended: only its parent's wait is missing)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: Iterable[int], within: float = 30.0) -> list[int]:
+    """Wait until every one of ``pids`` has ended; those still alive then (``[]`` when all went)."""
+    pids = list(pids)
+    wait_for(lambda: not any(alive(pid) for pid in pids), within, every=0.05)
+    return [pid for pid in pids if alive(pid)]
+
+
+def wait_zombie(pid: int, within: float = 30.0) -> bool:
+    """``pid`` has exited and its parent has not reaped it yet (its SIGCHLD is sent)."""
+    def zombie() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return wait_for(zombie, within, every=0.05)
+
+
+# A cell that starts a helper in a session of its own and a daemon (fork, setsid, fork again, the middle one
+# exits), waits until both are its own (ranks are subreapers: the daemon comes back to the rank), and names
+# the processes it now has: two a rank.
+DETACHED = """
+import os, subprocess, time, psutil
+helper = subprocess.Popen(['sleep', '300'], start_new_session=True)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(300)
+    os._exit(0)
+while len([p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]) < 2:
+    time.sleep(0.01)  # until the daemon is ours (re-parented to this rank)
+sorted(p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
+"""
+
+
+# A cell in which each rank writes its own element of a shipped ``weights``, waits until every rank has
+# written (a file each in ``marks``: the ranks overlap, by construction), then reads the first two: a private
+# copy shows only the rank's own write.
+WRITE_MEET_READ = (
+    "import os, time\n"
+    "weights[rank] = 1 + rank\n"
+    "open(f'{marks}/{rank}', 'w').close()\n"
+    "while len(os.listdir(marks)) < world_size:\n"
+    "    time.sleep(0.01)\n"
+    "weights[:2].tolist()"
+)
+
+
+# --- what the extension started
+
+
+def extension_processes(ip) -> list[psutil.Process]:
+    """Every live process this kernel started, except the launcher itself."""
+    launcher = ip._xla_magic_session.launcher
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if launcher is not None and child.pid == launcher.pid:
+                continue
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def assert_nothing_left(ip) -> None:
+    assert wait_gone(p.pid for p in extension_processes(ip)) == []
+    launcher = ip._xla_magic_session.launcher
+    assert launcher is not None and launcher.alive(), "the launcher must survive faults"
+
+
+# --- the stop button -------------------------------------------------------------------
+
+
+_watchers: list[threading.Event] = []
+
+
+def when(ready: Callable[[], Any], action: Callable[[], Any], within: float = WITHIN) -> threading.Event:
+    """Run ``action`` in a thread once ``ready()``; the event is set only if it was.
+
+    After ``within`` s ``action`` runs anyway, so a test whose event never
+    comes fails on the event instead of hanging. A watcher still waiting when
+    its test ends is stopped then (``stop_watching``, from conftest.py): it
+    never acts in a later test.
+    """
+    happened, stopped = threading.Event(), threading.Event()
+    _watchers.append(stopped)
+
+    def watch() -> None:
+        if wait_for(lambda: stopped.is_set() or ready(), within) and not stopped.is_set():
+            happened.set()
+        if not stopped.is_set():
+            action()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return happened
+
+
+def stop_watching() -> None:
+    """Stop every watcher ``when`` started (at the end of each test)."""
+    for stopped in _watchers:
+        stopped.set()
+    _watchers.clear()
+
+
+def press_stop() -> None:
+    """The notebook's stop button, as a kernel gets it: SIGINT to this process."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def interrupt_when(ready: Callable[[], Any], within: float = WITHIN, then: Callable[[], Any] | None = None) -> threading.Event:
+    """Press the stop button once ``ready()`` (see ``when``); ``then``, if given, is waited for next and
+    answered with a second press."""
+
+    def press() -> None:
+        press_stop()
+        if then is not None and wait_for(then, within):
+            press_stop()
+
+    return when(ready, press, within)
+
+
+def main_thread_in(function: Callable[..., Any]) -> bool:
+    """This process's main thread (the one running the cell, as a kernel's does) is now inside ``function``."""
+    import sys
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def files_in(folder: str) -> int:
+    return len(os.listdir(folder))
+
+
+def interrupt_once_written(folder: str, count: int, **kwargs: Any) -> threading.Event:
+    """Press the stop button once ``count`` files are in ``folder`` (each rank writes one when it is in its loop)."""
+    return interrupt_when(lambda: files_in(folder) >= count, **kwargs)
+
+
+def shown(text: str) -> int:
+    """How many times the running cell showed ``text`` so far (its output, under capture_output)."""
+    import sys
+
+    return getattr(sys.stdout, "getvalue", str)().count(text)
+
+
+def interrupt_once_shown(text: str, times: int, **kwargs: Any) -> threading.Event:
+    """Press the stop button once the running cell showed ``text`` ``times`` times (under capture_output)."""
+    return interrupt_when(lambda: shown(text) >= times, **kwargs)
+
+
+class Listening:
+    """A listener on the session's records, added for one block and removed after, whatever happened.
+
+    ``with Listening(session, listener):`` removes only its own listener, so
+    the status panel's and any other stay (the leak check in conftest.py).
+    """
+
+    def __init__(self, session, listener: Callable[[Any], None]) -> None:
+        self.session = session
+        self.listener = listener
+
+    def __enter__(self) -> Callable[[Any], None]:
+        self.session.listeners.append(self.listener)
+        return self.listener
+
+    def __exit__(self, *exc: object) -> None:
+        if self.listener in self.session.listeners:
+            self.session.listeners.remove(self.listener)
+
+
+def every_rank(record, state: str) -> bool:
+    return bool(record.ranks) and all(s.state == state for s in record.ranks.values())
+
+
+def on_every_rank_running(session, action: Callable[[], Any]) -> Listening:
+    """A listener that runs ``action`` (in a thread, once) when every rank of a run is running.
+
+    Use as ``with on_every_rank_running(session, action): ...``.
+    """
+    fired = threading.Event()
+
+    def listener(record) -> None:
+        if not fired.is_set() and every_rank(record, "running"):
+            fired.set()
+            threading.Thread(target=action, daemon=True).start()
+
+    listening = Listening(session, listener)
+    listening.fired = fired  # type: ignore[attr-defined]
+    return listening
+
+
+# --- real kernels ----------------------------------------------------------------------
+
+
+class Kernel:
+    """A real kernel driven through jupyter_client, cell by cell."""
+
+    def __init__(self, kernel_name: str = "python3") -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.manager, self.client = start_new_kernel(kernel_name=kernel_name, startup_timeout=60)
+
+    def run(self, code: str, timeout: float = KERNEL_TIMEOUT, on_output=None) -> tuple[dict, str]:
+        """Run one cell; its reply's content and the text it showed (streams, errors, results), colours removed."""
+        chunks: list[str] = []
+
+        def hook(msg):
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                chunks.append(content["text"])
+            elif msg["msg_type"] == "error":
+                chunks.append(f"{content['ename']}: {content['evalue']}\n" + "\n".join(content["traceback"]))
+            elif msg["msg_type"] == "execute_result":
+                chunks.append(content["data"].get("text/plain", ""))
+            if on_output is not None:
+                on_output("".join(chunks))
+
+        # stop_on_error=False: ipykernel 6 would otherwise abort the next request if it
+        # arrives just after an expected error (Colab's stack).
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook, stop_on_error=False)
+        return reply["content"], strip_ansi("".join(chunks))
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+
+
+def notebook(*cells: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(cell) for cell in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, path: str | None = None, timeout: float = KERNEL_TIMEOUT,
+            allow_errors: bool = True, **env: str) -> nbformat.NotebookNode:
+    """Run every cell of ``nb`` in a fresh kernel (in ``path``, with ``env`` added to its environment)."""
+    from nbclient import NotebookClient
+
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors,
+        resources={"metadata": {"path": path or os.getcwd()}},
+    )
+    saved = dict(os.environ)  # the kernel inherits this process's environment (on every stack's nbclient)
+    os.environ.update(env)
+    try:
+        client.execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return nb
+
+
+def text_of(cell) -> str:
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif output.output_type in ("execute_result", "display_data"):
+            parts.append(output.data.get("text/plain", ""))
+        elif output.output_type == "error":
+            parts.append(f"{output.ename}: {output.evalue}\n" + "\n".join(output.traceback))
+    return strip_ansi("".join(parts))
+
+
+def stream(cell, name: str) -> str:
+    return "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == name)
