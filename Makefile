@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # `make test STACKS=kaggle` runs one stack (scripts/stacks/).
 STACKS ?= current colab kaggle
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench docs
 setup:
 	@scripts/setup-venv --stack current "$(VENV)"
 
@@ -19,3 +19,8 @@ test:
 
 bench: setup
 	$(PY) benchmarks/run.py
+
+# The documentation site (mkdocs.yml), strict: a broken link, a missing page or a
+# stale generated page fails. Into build/site (git-ignored); `mkdocs serve` to browse.
+docs:
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site

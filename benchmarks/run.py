@@ -4,13 +4,13 @@ Runs on the machine at hand. Each ``benchmarks/bench_*.py`` that defines
 ``main()`` runs in a fresh interpreter of its own, so one benchmark's
 processes and memory never colour another's. ``main()`` returns rows
 ``(name, ours, baseline, unit, note)``, the baseline measured in the same
-run; this prints them as one Markdown table (the README's performance table
-is this output) with each figure's ratio to its baseline. Units ending in
+run; this prints them as one Markdown table (the docs' figures page,
+docs/figures.md, holds this output) with each figure's ratio to its baseline. Units ending in
 ``/s`` are better higher; every other unit (s, GiB, ...) is better lower.
 
     python benchmarks/run.py            # every benchmark
     python benchmarks/run.py cell data  # only bench_cell.py and bench_data.py
-    python benchmarks/run.py --readme README.md  # also put the table in the README
+    python benchmarks/run.py --page docs/figures.md  # also put the table in the figures page
 
 Progress goes to stderr, the table to stdout. The exit status is 1 when a
 benchmark failed (its row says so, its error is on stderr).
@@ -131,25 +131,25 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-README_START = "<!-- bench:start"
-README_END = "<!-- bench:end -->"
+PAGE_START = "<!-- bench:start"
+PAGE_END = "<!-- bench:end -->"
 
 
-def write_readme(path: Path, text: str) -> None:
-    """Replace what lies between the README's bench markers with ``text``."""
-    readme = path.read_text()
-    start = readme.find(README_START)
-    end = readme.find(README_END)
+def write_page(path: Path, text: str) -> None:
+    """Replace what lies between the page's bench markers with ``text``."""
+    page = path.read_text()
+    start = page.find(PAGE_START)
+    end = page.find(PAGE_END)
     if start < 0 or end < start:
-        raise SystemExit(f"{path} has no {README_START} ... {README_END} markers to fill")
-    opening_end = readme.index("\n", start) + 1
-    path.write_text(readme[:opening_end] + text + "\n" + readme[end:])
+        raise SystemExit(f"{path} has no {PAGE_START} ... {PAGE_END} markers to fill")
+    opening_end = page.index("\n", start) + 1
+    path.write_text(page[:opening_end] + text + "\n" + page[end:])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("only", nargs="*", help="benchmark names to run (cell, data, ...); default all")
-    parser.add_argument("--readme", type=Path, help="also write the table between this file's bench markers")
+    parser.add_argument("--page", type=Path, help="also write the table between this file's bench markers (docs/figures.md)")
     args = parser.parse_args(argv)
     modules = discover(args.only)
     if not modules:
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(found or [])
     text = f"Measured by `make bench` in {time.monotonic() - started:.0f} s on {machine()}.\n\n{table(rows)}"
     print(text)
-    if args.readme is not None and not failed:
-        write_readme(args.readme, text)
+    if args.page is not None and not failed:
+        write_page(args.page, text)
     return 1 if failed else 0
 
 

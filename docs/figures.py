@@ -1,14 +1,14 @@
-"""The README's figures about set-up and the test suite, measured, never typed.
+"""The site's figures about set-up and the test suite (docs/figures.md), measured, never typed.
 
-Runs as a script with any Python 3 (no packages needed); tests/test_readme.py
-imports it to check that the README's block is this file's rendering of
+Runs as a script with any Python 3 (no packages needed); tests/test_docs.py
+imports it to check that the page's block is this file's rendering of
 ``docs/figures.json`` and that the test counts there are what pytest collects
-now.
+now, and docs/hooks.py to fail the site's build when the block is stale.
 
     python docs/figures.py --measure   # on a fresh HOME: make demo, make test; then write both
     python docs/figures.py --measure --stacks colab   # measure one stack again, into the last figures
-    python docs/figures.py             # rewrite README.md's block from docs/figures.json
-    python docs/figures.py --check     # exit 1 if README.md's block is stale
+    python docs/figures.py             # rewrite docs/figures.md's block from docs/figures.json
+    python docs/figures.py --check     # exit 1 if docs/figures.md's block is stale
 
 ``--measure`` points HOME at an empty temporary folder, so the set-up starts
 from nothing, as on a new machine: uv, its package cache, every stack's venv,
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "figures.md"
 FIGURES = ROOT / "docs" / "figures.json"
 SUBSET = ROOT / "scripts" / "stacks" / "subset.txt"
 STACKS = ("current", "colab", "kaggle")
@@ -156,7 +156,7 @@ def _collected(python: str, whole_suite: bool) -> int:
     return int(found.group(1))
 
 
-# --- the README block ------------------------------------------------------------------
+# --- the page's block ------------------------------------------------------------------
 
 
 def minutes(seconds: float) -> str:
@@ -206,18 +206,25 @@ def section_in(text: str) -> str | None:
     return text[start:end + len(END)]
 
 
-def write_readme(figures: dict[str, Any]) -> None:
-    text = README.read_text(encoding="utf-8")
+def write_page(figures: dict[str, Any]) -> None:
+    text = PAGE.read_text(encoding="utf-8")
     current = section_in(text)
     if current is None:
-        raise SystemExit(f"README.md has no {START!r} ... {END!r} block")
-    README.write_text(text.replace(current, render(figures)), encoding="utf-8")
+        raise SystemExit(f"{PAGE.name} has no {START!r} ... {END!r} block")
+    PAGE.write_text(text.replace(current, render(figures)), encoding="utf-8")
+
+
+def stale() -> str | None:
+    """What is wrong with docs/figures.md's block, or None when it renders docs/figures.json."""
+    if section_in(PAGE.read_text(encoding="utf-8")) == render(json.loads(FIGURES.read_text())):
+        return None
+    return "docs/figures.md's set-up figures are not docs/figures.json's: run python docs/figures.py"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", action="store_true", help="measure on a fresh HOME first (slow)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md's block is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/figures.md's block is stale")
     parser.add_argument("--stacks", nargs="+", choices=STACKS, metavar="STACK",
                         help="with --measure: measure only these stacks again, into the last figures")
     args = parser.parse_args()
@@ -225,10 +232,9 @@ def main() -> None:
         FIGURES.write_text(json.dumps(measure_stacks(json.loads(FIGURES.read_text()), args.stacks), indent=2) + "\n")
     elif args.measure:
         FIGURES.write_text(json.dumps(measure(), indent=2) + "\n")
-    figures = json.loads(FIGURES.read_text())
     if args.check:
-        sys.exit(0 if section_in(README.read_text(encoding="utf-8")) == render(figures) else 1)
-    write_readme(figures)
+        sys.exit(1 if stale() else 0)
+    write_page(json.loads(FIGURES.read_text()))
 
 
 if __name__ == "__main__":

@@ -8,13 +8,22 @@ neither torch nor torch_xla, and say what to install when a cell needs them.
 A second environment holds Colab's pins (scripts/stacks/colab.txt): there
 installing the wheel, with or without ``--no-deps``, must change nothing and
 leave ``pip check`` with nothing to say about xla_magic.
+
+The release's files: ``python -m build`` writes the sdist and a wheel built
+from it, both pass ``twine check``; a clean virtual environment builds a wheel
+from the sdist alone, and that wheel, installed with its ``local`` extra into a
+fresh environment, runs a ``%%xla_spawn`` cell on the CPU simulation.
 """
 
 from __future__ import annotations
 
+import ast
+import fcntl
 import json
+import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from email.parser import Parser
 from pathlib import Path
@@ -55,8 +64,12 @@ print("PROBE " + json.dumps(found))
 """
 
 
+# A clean environment sees no checkout: not through PYTHONPATH either.
+CLEAN_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
 def run(command: list[str], cwd: Path) -> str:
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=CLEAN_ENV)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -68,6 +81,67 @@ def wheel(tmp_path_factory) -> Path:
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)], cwd=out)
     (built,) = out.glob("xla_magic-*.whl")
     return built
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> dict[str, Path]:
+    """``python -m build``: the sdist, and the wheel it builds from the sdist."""
+    out = tmp_path_factory.mktemp("release")
+    run([sys.executable, "-m", "build", "-o", str(out), str(ROOT)], cwd=out)
+    (sdist,) = out.glob("xla_magic-*.tar.gz")
+    (wheel,) = out.glob("xla_magic-*.whl")
+    return {"sdist": sdist, "wheel": wheel}
+
+
+@pytest.fixture(scope="module")
+def wheel_from_sdist(release, tmp_path_factory) -> Path:
+    """The wheel that a clean virtual environment (pip only, no checkout) builds from the sdist."""
+    where = tmp_path_factory.mktemp("from-sdist")
+    run([sys.executable, "-m", "venv", str(where / "venv")], cwd=where)
+    run([str(where / "venv" / "bin" / "python"), "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(where),
+         str(release["sdist"])], cwd=where)
+    (built,) = where.glob("xla_magic-*.whl")
+    return built
+
+
+def uv() -> tuple[str, dict[str, str]]:
+    """The uv that scripts/setup-venv installs, and its package cache: a venv with torch in seconds."""
+    cache = Path(os.environ.get("XLA_MAGIC_CACHE", Path.home() / ".cache" / "xla_magic"))
+    binary = cache / "uv" / "bin" / "uv"
+    if not binary.exists():
+        pytest.skip(f"{binary} is missing: scripts/setup-venv installs it")
+    env = {**CLEAN_ENV, "UV_CACHE_DIR": str(cache / "uv-cache"), "UV_LINK_MODE": "hardlink", "UV_NO_PROGRESS": "1"}
+    return str(binary), env
+
+
+@pytest.fixture(scope="module")
+def local_venv(wheel_from_sdist) -> Path:
+    """A venv with only the sdist's wheel and its ``local`` extra (torch, torch_xla): the README's
+    ``pip install ".[local]"``, plus ipykernel and nbclient to run a notebook in it.
+
+    Made once, outside the clone, and kept: torch's first imports there write
+    its bytecode, which a venv made afresh would compile again on every run.
+    The wheel is installed anew each time.
+    """
+    binary, env = uv()
+    venv = Path(env["UV_CACHE_DIR"]).parent / "venv-local-only"
+    commands = [] if (venv / "bin" / "python").exists() else [[binary, "venv", "-q", "--python", sys.executable, str(venv)]]
+    commands.append([binary, "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
+                     "--reinstall-package", "xla-magic", f"{wheel_from_sdist}[local]", "ipykernel", "nbclient"])
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run making or updating it at once
+        for command in commands:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+            assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return venv
+
+
+def source_version() -> str:
+    """``__version__`` as xla_magic/__init__.py writes it: the one place the version lives."""
+    tree = ast.parse((ROOT / "xla_magic" / "__init__.py").read_text())
+    (value,) = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                and [target.id for target in node.targets if isinstance(target, ast.Name)] == ["__version__"]]
+    return value
 
 
 def metadata(wheel: Path):
@@ -94,6 +168,51 @@ def test_wheel_holds_the_package_and_only_kernel_side_requirements(wheel):
     assert plain == KERNEL_SIDE_REQUIREMENTS
     local = {requirement_name(r) for r in requires if "extra == 'local'" in r or 'extra == "local"' in r}
     assert local == {"torch", "torch-xla"}
+    assert metadata(wheel)["Version"] == source_version()
+
+
+def test_sdist_and_wheel_pass_twine_check_and_carry_the_one_version(release):
+    assert release["sdist"].name == f"xla_magic-{source_version()}.tar.gz"
+    assert release["wheel"].name == f"xla_magic-{source_version()}-py3-none-any.whl"
+    assert metadata(release["wheel"])["Version"] == source_version()
+    checked = run([sys.executable, "-m", "twine", "check", "--strict", str(release["sdist"]), str(release["wheel"])],
+                  cwd=release["sdist"].parent)
+    assert checked.count("PASSED") == 2, checked
+    with tarfile.open(release["sdist"]) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"CHANGELOG.md", "README.md", "pyproject.toml", "xla_magic/__init__.py"} <= names
+
+
+def test_the_sdist_builds_in_a_clean_venv_the_same_wheel(wheel, release, wheel_from_sdist):
+    def contents(built: Path) -> list[str]:
+        with zipfile.ZipFile(built) as archive:
+            return sorted(archive.namelist())
+
+    assert wheel_from_sdist.name == release["wheel"].name
+    assert contents(wheel_from_sdist) == contents(release["wheel"]) == contents(wheel)
+
+
+# Runs in the fresh venv: one cell on two simulated devices, through a real shell.
+ONE_CELL = r"""
+import json, sys
+from IPython.core.interactiveshell import InteractiveShell
+
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "xla_magic")
+value = shell.run_cell_magic("xla_spawn", "--devices 2", "import torch_xla\n(rank, world_size, str(device))")
+found = {"value": value, "kernel_has_torch_xla": "torch_xla" in sys.modules,
+         "package_file": sys.modules["xla_magic"].__file__}
+shell.run_line_magic("unload_ext", "xla_magic")
+print("CELL " + json.dumps(found))
+"""
+
+
+def test_the_wheel_from_the_sdist_runs_a_cell_in_a_fresh_venv(local_venv, tmp_path):
+    output = run([str(local_venv / "bin" / "python"), "-c", ONE_CELL], cwd=tmp_path)
+    found = json.loads(output.split("CELL ", 1)[1])
+    assert found["package_file"].startswith(str(local_venv))
+    assert found["value"] == [[0, 2, "xla:0"], [1, 2, "xla:0"]]
+    assert found["kernel_has_torch_xla"] is False
 
 
 def test_wheel_loads_in_a_clean_environment(wheel, tmp_path, ip):
@@ -154,6 +273,10 @@ def test_installing_on_colabs_pins_changes_nothing(wheel, tmp_path, no_deps):
     before = freeze(python, tmp_path)
 
     run([python, "-m", "pip", "install", "-q", *(["--no-deps"] if no_deps else []), str(wheel)], cwd=tmp_path)
-    assert freeze(python, tmp_path) == before
+    if no_deps:  # nothing else can change: what can fail is the extension on the pins alone
+        found = json.loads(run([python, "-c", PROBE], cwd=tmp_path).split("PROBE ", 1)[1])
+        assert "xla_spawn" in found["xla_magics"] and found["imported_after_load"] == []
+    else:
+        assert freeze(python, tmp_path) == before
     assert any(requirement_name(line) == "xla-magic" for line in run([python, "-m", "pip", "freeze"], cwd=tmp_path).splitlines())
     assert complaints_about_us(python, tmp_path) == []

@@ -382,13 +382,13 @@ def test_default_axes_stay_in_step_with_the_launcher_side():
     assert sharding.SpmdOptions("4,2", None).options() == "--mesh 4,2"
 
 
-def test_the_readmes_fsdpv2_example_shows_what_it_prints(ip):
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_fsdpv2_example_shows_what_it_prints(ip):
+    text = (ROOT / "docs" / "spmd.md").read_text()
     example = re.search(r"```python\n(%%xla_spawn --spmd[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
-    assert example, "README's SPMD example and its output are missing"
+    assert example, "docs/spmd.md's SPMD example and its output are missing"
     line, body, shown = example.group(1), example.group(2), example.group(3).splitlines()
     value, out, err, outputs = cell(ip, line[len("%%xla_spawn"):], body)
-    # stdout lines exactly; stderr's (the two warnings the README explains) but for what XLA's log prefix
+    # stdout lines exactly; stderr's (the two warnings the page explains) but for what XLA's log prefix
     # says of when and where: XLA logs through tsl's LogMessage (xla/tsl/platform/default/logging.cc,
     # GenerateLogMessage: "<date> <time>.<us>: <severity> <file>:<line>] <text>"), and its line numbers move
     # with every XLA build. The file and the words must match.

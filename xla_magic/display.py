@@ -83,14 +83,16 @@ class TaggedOutput:
 
     def __init__(
         self,
-        lines_per_rank: int = DEFAULT_LINES_PER_RANK,
+        lines_per_rank: int | None = DEFAULT_LINES_PER_RANK,
         log_dir: Callable[[], str] | None = None,
         on_line: Callable[[int, str, str], None] | None = None,
         live: Callable[[int, str], None] | None = None,
         label: Callable[[int], str] = rank_label,
+        log_stem: Callable[[int], str] = lambda rank: f"rank{rank}",
     ) -> None:
-        self.lines_per_rank = lines_per_rank
+        self.lines_per_rank = lines_per_rank  # None: show every line (a host relaying to the kernel, which folds)
         self.label = label
+        self.log_stem = log_stem
         self._log_dir = log_dir or (lambda: tempfile.mkdtemp(prefix="xla_magic-logs-"))
         self._dir: str | None = None
         self._streams: dict[tuple[int, str], _RankStream] = {}
@@ -108,6 +110,13 @@ class TaggedOutput:
             self._emit(state, complete)
         state.partial = drop_overwritten(text)
         self._update_live(state)
+
+    def feed_lines(self, rank: int, stream: str, lines: list[str]) -> None:
+        """Whole lines, already settled (a host's relay of its ranks' lines)."""
+        state = self._streams.get((rank, stream))
+        if state is None:
+            state = self._streams[(rank, stream)] = _RankStream(rank, stream)
+        self._emit(state, lines)
 
     def finish(self) -> list[str]:
         """Flush lines still being written; the paths of any folded logs."""
@@ -130,11 +139,11 @@ class TaggedOutput:
         self.lines += len(lines)
         if self._on_line is not None:
             self._on_line(state.rank, state.stream, lines[-1])
-        room = max(0, self.lines_per_rank - state.shown)
+        room = len(lines) if self.lines_per_rank is None else max(0, self.lines_per_rank - state.shown)
         shown, folded = lines[:room], lines[room:]
         if shown:
             state.shown += len(shown)
-            if state.log is None:
+            if state.log is None and self.lines_per_rank is not None:
                 state.held.extend(shown)
             self._write(state, shown)
         if folded:
@@ -149,7 +158,7 @@ class TaggedOutput:
         if state.log is None:
             if self._dir is None:
                 self._dir = self._log_dir()
-            path = os.path.join(self._dir, f"rank{state.rank}.{state.stream}.log")
+            path = os.path.join(self._dir, f"{self.log_stem(state.rank)}.{state.stream}.log")
             state.log = open(path, "w", encoding="utf-8")
             state.log.write("\n".join(state.held) + "\n")
             state.held = []

@@ -20,7 +20,7 @@ import weakref
 from typing import Any
 
 
-from xla_magic import protocol, transport
+from xla_magic import place, protocol, transport
 
 READY_TIMEOUT = 300.0
 SUBMIT_TIMEOUT = 60.0  # for the launcher to take a job and say STARTED
@@ -172,11 +172,7 @@ class Launcher:
 
     def environment_changes(self) -> dict[str, Any]:
         """How the kernel's environment differs now from what the launcher inherited."""
-        now, base = dict(os.environ), self.base_environment
-        return {
-            "set": {name: value for name, value in now.items() if base.get(name) != value},
-            "unset": sorted(name for name in base if name not in now),
-        }
+        return place.environment_changes(self.base_environment)
 
     @property
     def pid(self) -> int:

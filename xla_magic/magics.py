@@ -249,7 +249,7 @@ class XlaMagics(Magics):
         that host's launcher and N ranks; cells then see ``rank`` (global),
         ``world_size`` (every host), ``local_rank`` and ``host``, output is
         tagged ``[hH rN]``, and the value lists every global rank's result.
-        See the README's "Several hosts".
+        See docs/several-hosts.md.
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)

@@ -41,6 +41,15 @@ def current(environment: dict[str, Any] | None = None) -> dict[str, Any]:
     return place
 
 
+def environment_changes(base: dict[str, str]) -> dict[str, Any]:
+    """How the kernel's environment differs now from ``base`` (what its launcher, or a pool's hosts, started with)."""
+    now = dict(os.environ)
+    return {
+        "set": {name: value for name, value in now.items() if base.get(name) != value},
+        "unset": sorted(name for name in base if name not in now),
+    }
+
+
 def changed(now: dict[str, Any], sent: dict[str, Any] | None) -> dict[str, Any]:
     """The request fields for ``now``: ``{"place": now}`` when the ranks last got something else, else none."""
     return {} if now == sent else {"place": now}

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from IPython.core.error import UsageError
 
 from xla_magic import protocol, rank_display, transport
-from xla_magic.display import LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit, process_stopped
 from xla_magic.record import RankState, RunRecord
@@ -75,8 +75,10 @@ class Request:
         self.sent = frame is None
         self.delivered = frame is None  # every asked rank got the whole request
         self._live = LiveLines(label=ranks.label) if live_lines else None
-        # Folded logs outlive the request: the cell printed their paths.
+        # Folded logs outlive the request: the cell printed their paths. One host of several folds nothing:
+        # it relays every line to the kernel, which keeps what it cannot show where the notebook can open it.
         self.output = TaggedOutput(
+            lines_per_rank=None if ranks.world else DEFAULT_LINES_PER_RANK,
             log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live,
             label=ranks.label,
         )

@@ -70,6 +70,7 @@ class Session:
         self.pool: Ranks | None = None  # the kept ranks, while a pool runs (or is broken)
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
         self.world: dict[str, Any] | None = None  # an engine's session on one of several hosts: its part of the world
+        self.kernel_place: dict[str, Any] | None = None  # there: the kernel's place, which cells follow, not the engine's
         self.hosts: Any = None  # the kernel's pool across several hosts (xla_magic.hosts.pool.HostsPool)
         self.pool_xla_report = "auto"  # the pool's --xla-report, for cells that give none
         self.last_cell: RunRecord | None = None
@@ -154,7 +155,8 @@ class Session:
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell, filename)
         values = payload.select_names(names, user_ns, hidden)
-        here = place.current(self.launcher.environment_changes() if self.launcher is not None else None)
+        here = self.kernel_place or place.current(
+            self.launcher.environment_changes() if self.launcher is not None else None)
         delivered = False
         try:
             shipping, changed = ranks.shipping.fields(values)

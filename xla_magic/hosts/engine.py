@@ -3,7 +3,8 @@
 Runs on each host, started by the kernel's launch command (ssh, ``ip netns
 exec``, ``kubectl exec``...). The controller's connection info (which holds
 the cluster's key) arrives as the first line on stdin, never on a command
-line or in a file the host keeps. The engine is XLA-free: the cells it is
+line, in a file the host keeps or in the environment (which the engine's launcher, ranks and
+whatever a cell starts would inherit): it goes from stdin to ipyparallel's engine as a setting. The engine is XLA-free: the cells it is
 given run in its host's own launcher and ranks (``hosts.on_host``).
 
 It ends when the controller stops answering its heartbeats (the kernel
@@ -29,13 +30,14 @@ def main(argv: list[str] | None = None) -> None:
     connection = sys.stdin.readline().strip()
     if not connection:
         sys.exit("xla_magic engine: no connection info on stdin (the kernel sends it when it starts the engine)")
-    os.environ["IPP_CONNECTION_INFO"] = connection
     # The engine's profile (its logs) lives on this host, private, for the engine's life.
     profile = tempfile.mkdtemp(prefix="xla_magic-engine-")
     try:
-        from ipyparallel.engine.app import main as ipengine
+        from ipyparallel.engine.app import IPEngine
 
-        ipengine([f"--profile-dir={profile}", *argv[2:]])
+        # Straight to ipyparallel, not through $IPP_CONNECTION_INFO: what is in the engine's environment
+        # reaches its launcher, its ranks and every process a cell starts.
+        IPEngine.launch_instance([f"--profile-dir={profile}", *argv[2:]], connection_info_env=connection)
     finally:
         shutil.rmtree(profile, ignore_errors=True)
 

@@ -58,11 +58,15 @@ def start(world: dict[str, Any], devices: int, backend: str) -> dict[str, Any]:
     return _outcome(lambda: _session.start_pool(devices, backend) and None)
 
 
-def run_cell(source: str, names: bytes, timeout: float | None) -> dict[str, Any]:
-    """A cell in this host's pool; ``names`` are the kernel's values it reads, pickled once by the kernel."""
+def run_cell(source: str, names: bytes, timeout: float | None, kernel_place: dict[str, Any]) -> dict[str, Any]:
+    """A cell in this host's pool; ``names`` are the kernel's values it reads, pickled once by the kernel.
+
+    The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
+    changed since they last did, as on one host."""
     import cloudpickle
 
     session = _require()
+    session.kernel_place = kernel_place
     return _outcome(lambda: session.run_cell(source, None, "auto", timeout, False, cloudpickle.loads(names), {}))
 
 

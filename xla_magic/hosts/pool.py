@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload
+from xla_magic import payload, place
 from xla_magic.hosts import discovery, on_host
 from xla_magic.hosts.launch import DEFAULT_TEMPLATE, HostEngineSetLauncher, KernelControllerLauncher, template_words
 from xla_magic.hosts.request import HostsRequest, label
@@ -54,6 +54,8 @@ class HostsPool:
         self.cells = 0
         self.started = time.time()
         self.start_seconds: float | None = None
+        # The kernel's environment as the pool started: its changes since then travel to every host's ranks.
+        self.base_environment = dict(os.environ)
         for index, host in enumerate(hosts):
             try:
                 template_words(self.template, host, index)
@@ -204,7 +206,10 @@ class HostsPool:
             blob = cloudpickle.dumps(values)  # once, for every host
         except Exception as exc:
             raise UsageError(f"a value the cell reads cannot be pickled for the hosts: {type(exc).__name__}: {exc}")
-        calls = [self.client[engine].apply_async(on_host.run_cell, cell, blob, timeout) for engine in self.engines]
+        # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
+        here = place.current(place.environment_changes(self.base_environment))
+        calls = [self.client[engine].apply_async(on_host.run_cell, cell, blob, timeout, here)
+                 for engine in self.engines]
         values_by_host = HostsRequest(self, calls, timeout=None).wait()
         self.cells += 1
         return [value for host_values in values_by_host for value in (host_values or [None] * self.devices)]

@@ -11,6 +11,7 @@ host the same way.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -18,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from xla_magic.display import RankError, RankFailure, RunInterrupted
+from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
 
 if TYPE_CHECKING:
     from xla_magic.hosts.pool import HostsPool
 
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
+# A line as a host relays it: its rank's tag (red on stderr), then the line.
+TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
 
 
 def label(devices: int) -> Any:
@@ -43,6 +46,9 @@ class HostsRequest:
         self.shown: dict[tuple[int, str], int] = {}
         self.stopping: str | None = None  # why the other hosts were told to stop: failure, interrupt, timeout
         self.stopped_at: float | None = None
+        tags = label(pool.devices)
+        self.output = TaggedOutput(label=tags, log_dir=lambda: pool.workdir.new("logs-hosts-"),
+                                   log_stem=lambda rank: tags(rank).replace(" ", ""))
 
     def wait(self) -> list[Any]:
         """Every host's value, in host order, or the error that says what went wrong where."""
@@ -62,7 +68,9 @@ class HostsRequest:
                 if self.stopping == "interrupt":
                     self._give_up()  # a second Ctrl-C: stop waiting for the hosts
                 self._stop_hosts("interrupt")
-        self._show()
+        self._show(final=True)
+        for path in self.output.finish():
+            print(f"(complete log: {path})")
         return self._result()
 
     # -- following ----------------------------------------------------------------
@@ -83,18 +91,41 @@ class HostsRequest:
             if outcome["outcome"] != "ok" and self.stopping is None:
                 self._stop_hosts("failure")
 
-    def _show(self) -> None:
-        """What each host printed since last time, host by host (each host's lines are whole and tagged)."""
+    def _show(self, final: bool = False) -> None:
+        """The whole lines each host printed since last time, host by host (the rest once the call ended)."""
         if not self.echo:
             return
         for index, call in enumerate(self.calls):
-            for stream, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            for stream in ("stdout", "stderr"):
                 text = getattr(call, stream) or ""
                 start = self.shown.get((index, stream), 0)
-                if len(text) > start:
-                    out.write(text[start:])
-                    out.flush()
-                    self.shown[(index, stream)] = len(text)
+                end = len(text) if final else text.rfind("\n", start) + 1
+                if end > start:
+                    self._relay(stream, text[start:end])
+                    self.shown[(index, stream)] = end
+
+    def _relay(self, stream: str, text: str) -> None:
+        """A host's lines, tagged by the host with their global rank, to the kernel's output of the cell: the
+        first lines of each rank shown, the rest folded into a log per rank in the kernel's session directory."""
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        rank, run = None, []
+        for line in text.split("\n")[:-1] if text.endswith("\n") else text.split("\n"):
+            tagged = TAGGED.match(line)
+            line_rank = int(tagged["rank"]) if tagged else None
+            if run and line_rank != rank:
+                self._flush_run(rank, stream, run, out)
+                run = []
+            rank = line_rank
+            run.append(line[tagged.end():] if tagged else line)
+        if run:
+            self._flush_run(rank, stream, run, out)
+        out.flush()
+
+    def _flush_run(self, rank: int | None, stream: str, lines: list[str], out: Any) -> None:
+        if rank is None:  # the host's own words (a notice), not a rank's
+            out.write("\n".join(lines) + "\n")
+        else:
+            self.output.feed_lines(rank, stream, lines)
 
     def _stop_hosts(self, why: str) -> None:
         """SIGINT to every host still running: each stops its ranks as an interrupted cell does."""

@@ -116,11 +116,28 @@ def _rank_environment(world: dict[str, Any] | None = None) -> None:
     # redraw with cursor moves that a cell's output cannot show. Not interactive,
     # rich prints each bar's final state, as it does into a file.
     os.environ.setdefault("TTY_INTERACTIVE", "0")
-    if world:  # several hosts: a user's own process group meets on host 0
+    if world:  # several hosts: a user's own process group meets on host 0, over this host's address only
         os.environ.setdefault("MASTER_ADDR", world["store_address"])
+        interface = _interface_of(world["address"])
+        if interface:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (a host's address toward the others), if any here."""
+    import psutil
+
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(address, None)}
+    except OSError:
+        return None
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(entry.address in wanted for entry in addresses):
+            return interface
+    return None
 
 
 # --- cpu: the simulation --------------------------------------------------

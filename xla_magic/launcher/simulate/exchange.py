@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -181,14 +182,26 @@ def file_store(state: Simulation) -> Any:
     file is shared there) a TCPStore that global rank 0 holds on host 0's address."""
     if state.store is None:
         if state.world:
+            address, port = state.world["store_address"], state.world["store_port"]
             state.store = dist.TCPStore(
-                state.world["store_address"], state.world["store_port"], state.world_size,
-                is_master=state.rank == 0, timeout=GROUP_TIMEOUT, wait_for_workers=False,
+                address, port, state.world_size, is_master=state.rank == 0, timeout=GROUP_TIMEOUT,
+                wait_for_workers=False, master_listen_fd=_listener(address, port) if state.rank == 0 else None,
             )
         else:
             state.store = dist.FileStore(os.path.join(state.store_dir, "simulation"), state.world_size)
         state.store.set_timeout(GROUP_TIMEOUT)
     return state.store
+
+
+def _listener(address: str, port: int) -> int:
+    """A socket listening on ``address`` only, for the store's server, which owns it from then on.
+
+    Given a port alone, TCPStore's server listens on every interface, and it has no authentication."""
+    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, port))
+    listener.listen(socket.SOMAXCONN)
+    return listener.detach()
 
 
 def post(channel: int, blob: bytes) -> None:

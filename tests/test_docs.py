@@ -1,31 +1,43 @@
-"""The README against the code: options, in-cell names, strategy, error messages.
+"""The docs site (docs/, mkdocs.yml) and the README against the code.
 
-Runs in the test process, with the shared IPython shell; nothing here starts
-ranks. Each check reads the code's own source of truth (the magics' parsers,
-the strategy class, the known-problem table), so the README cannot drift.
+The site builds strict (broken links, missing pages and stale generated pages
+fail); each page's claims are checked against the code's own source of truth
+(the magics' parsers, the strategy class, the known-problem table, the
+layout), so the docs cannot drift. Runs in the test process, with the shared
+IPython shell; only the first example starts ranks, and the build runs
+mkdocs in a process of its own.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 
 def readme() -> str:
     return README.read_text(encoding="utf-8")
 
 
-def section(title: str) -> str:
-    """The README text under the '## title' heading, up to the next '## '."""
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", readme(), re.MULTILINE | re.DOTALL)
-    assert match, f"README.md has no '## {title}' section"
+def page(name: str) -> str:
+    """One page of the site, docs/NAME.md."""
+    return (DOCS / f"{name}.md").read_text(encoding="utf-8")
+
+
+def section(name: str, title: str) -> str:
+    """A page's text under its '## title' heading, up to the next '## '."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", page(name), re.MULTILINE | re.DOTALL)
+    assert match, f"docs/{name}.md has no '## {title}' section"
     return match.group(1)
 
 
@@ -50,16 +62,56 @@ def test_readme_opens_with_the_two_commands():
     assert lines[3].startswith("make test")
 
 
+def test_the_site_builds_strict_and_offline(tmp_path):
+    """`make docs`'s build: any warning (a broken link or anchor, a page out of the nav, a stale
+    generated page) fails it. The built pages load nothing from another host."""
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    built = {path.name for path in site.glob("*.html")}
+    assert {f"{path.stem}.html" for path in DOCS.glob("*.md")} <= built
+    assert (site / "search" / "search_index.json").exists()
+    for html in site.glob("*.html"):
+        text = html.read_text(encoding="utf-8")
+        remote = re.findall(r"<(?:link|script|img)\b[^>]*(?:href|src)=\"(?:https?:)?//[^\"]*\"", text)
+        assert remote == [], f"{html.name} loads {remote}"
+    assert "Run notebook cells on every TPU core" in (site / "index.html").read_text(encoding="utf-8")
+
+
+def test_the_home_page_is_the_readme():
+    hooks = doc_script("hooks")
+    home = hooks.readme_as_home_page()
+    assert "](docs/" not in home and "Run notebook cells on every TPU core" in home
+    for target in re.findall(r"\]\(([^)#]+)", home):
+        if "://" not in target:
+            assert (DOCS / target).exists(), f"the home page links to {target}, which docs/ does not have"
+
+
+def test_the_readme_is_a_landing_page():
+    assert len(readme().splitlines()) <= 200
+    for link in re.findall(r"\]\((docs/[^)#]+\.md)", readme()):
+        assert (ROOT / link).exists()
+    assert "make docs" in readme() and "mkdocs serve" in readme()
+
+
+def test_every_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for path in DOCS.glob("*.md"):
+        assert re.search(rf":\s+{re.escape(path.name)}$", nav, re.MULTILINE), f"mkdocs.yml's nav lacks {path.name}"
+
+
 def test_magic_reference_matches_the_magics(ip, reference):
-    current = reference.section_in(readme())
-    assert current is not None, "README.md lost its magic-reference markers"
+    current = reference.section_in(page("reference"))
+    assert current is not None, "docs/reference.md lost its magic-reference markers"
     assert current == reference.render(ip), (
-        "README.md's 'Magics and options' is stale: run python docs/magic_reference.py"
+        "docs/reference.md is stale: run python docs/magic_reference.py"
     )
 
 
-def test_every_option_of_every_magic_is_in_the_readme(ip, reference):
-    text = section("Magics and options")
+def test_every_option_of_every_magic_is_in_the_reference(ip, reference):
+    text = page("reference")
     magics = reference.xla_magics(ip)
     assert "xla_spawn" in magics
     for name, (prefix, function) in magics.items():
@@ -89,28 +141,38 @@ def rank_strategy_members() -> set[str]:
 
 
 def documented_strategy_members() -> set[str]:
-    """The names in the README's table headed | `strategy.` |."""
-    text = section("Inside a cell")
+    """The names in docs/cells.md's table headed | `strategy.` |."""
+    text = page("cells")
     table = re.search(r"^\| `strategy\.` \|.*?\n\n", text, re.MULTILINE | re.DOTALL)
-    assert table, "README's 'Inside a cell' has no | `strategy.` | table"
+    assert table, "docs/cells.md has no | `strategy.` | table"
     return set(re.findall(r"^\| `(\w+)[(`]", table.group(0), re.MULTILINE))
 
 
 def test_strategy_table_matches_the_rank_strategy():
     code, documented = rank_strategy_members(), documented_strategy_members()
-    assert code - documented == set(), f"add these to the README's strategy table: {sorted(code - documented)}"
-    assert documented - code == set(), f"the README documents strategy members that do not exist: {sorted(documented - code)}"
+    assert code - documented == set(), f"add these to docs/cells.md's strategy table: {sorted(code - documented)}"
+    assert documented - code == set(), f"docs/cells.md documents strategy members that do not exist: {sorted(documented - code)}"
 
 
 def test_in_cell_names_are_documented():
-    text = section("Inside a cell")
+    text = page("cells")
     for name in ("rank", "world_size", "device", "strategy"):
         assert f"| `{name}` |" in text
 
 
+TROUBLESHOOTING_ENTRY = re.compile(r"^## `([^`]+)`(?: \{#([a-z0-9-]+)\})?$", re.MULTILINE)
+
+
 def troubleshooting_messages() -> list[str]:
-    """Headings of the form ### `message`: an error message a user may see."""
-    return re.findall(r"^### `([^`]+)`$", section("Troubleshooting"), re.MULTILINE)
+    """Headings of the form ## `message` {#id}: an error message a user may see."""
+    return [message for message, _ in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))]
+
+
+def test_each_troubleshooting_entry_has_a_stable_id():
+    entries = TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))
+    ids = [anchor for _, anchor in entries]
+    assert all(ids), f"entries without an {{#id}}: {[message for message, anchor in entries if not anchor]}"
+    assert len(set(ids)) == len(ids), "two troubleshooting entries share an id"
 
 
 # Messages of other tools, listed because users meet them before they switch.
@@ -139,7 +201,7 @@ def test_each_troubleshooting_message_is_real():
         pieces = fragments(message)
         assert pieces, f"no literal text to check in {message!r}"
         for piece in pieces:
-            assert piece in source, f"README troubleshooting quotes {message!r}, but xla_magic never says {piece!r}"
+            assert piece in source, f"docs/troubleshooting.md quotes {message!r}, but xla_magic never says {piece!r}"
 
 
 def test_each_known_problem_is_in_troubleshooting():
@@ -148,7 +210,7 @@ def test_each_known_problem_is_in_troubleshooting():
     messages = troubleshooting_messages()
     for pattern, advice in KNOWN_PROBLEMS:
         assert any(re.search(pattern, message, re.IGNORECASE) for message in messages), (
-            f"README troubleshooting has no message for the known problem {pattern!r} ({advice[:60]}...)"
+            f"docs/troubleshooting.md has no message for the known problem {pattern!r} ({advice[:60]}...)"
         )
 
 
@@ -160,12 +222,12 @@ def test_local_links_resolve():
 
 
 def test_every_module_is_in_the_layout_table():
-    text = section("Development")
+    text = section("development", "The code's layout")
     for path in sorted((ROOT / "xla_magic").rglob("*.py")):
         name = path.relative_to(ROOT).as_posix()
         if name == "xla_magic/launcher/__init__.py":
             continue
-        assert f"| `{name}` |" in text, f"README's layout table does not describe {name}"
+        assert f"| `{name}` |" in text, f"docs/development.md's layout table does not describe {name}"
 
 
 def test_the_first_example_shows_what_it_prints(spawn):
@@ -187,7 +249,7 @@ def figures():
 
 
 def test_the_setup_and_suite_figures_are_the_measured_ones(figures):
-    """README's figures are docs/figures.py's rendering of its last measurement, and the counts are today's."""
+    """docs/figures.md's figures are docs/figures.py's rendering of its last measurement, and the counts are today's."""
     import json
     import os
     import sys
@@ -196,13 +258,13 @@ def test_the_setup_and_suite_figures_are_the_measured_ones(figures):
         pytest.skip("this run is the measurement (docs/figures.py --measure) that writes the figures")
 
     measured = json.loads(figures.FIGURES.read_text())
-    assert figures.section_in(readme()) == figures.render(measured), (
-        "README.md's set-up figures are not docs/figures.json's: run python docs/figures.py"
+    assert figures.section_in(page("figures")) == figures.render(measured), (
+        "docs/figures.md's set-up figures are not docs/figures.json's: run python docs/figures.py"
     )
     for stack in figures.STACKS:
         now = figures.collected(sys.executable, stack)
         assert measured["stacks"][stack]["collected"] == now, (
-            f"the {stack} stack collects {now} tests, the README's figures say "
+            f"the {stack} stack collects {now} tests, docs/figures.md says "
             f"{measured['stacks'][stack]['collected']}: measure again with python docs/figures.py --measure"
         )
         assert measured["stacks"][stack]["failed"] == 0, f"the measured {stack} run failed tests"
