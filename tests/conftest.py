@@ -38,6 +38,34 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 def pytest_addoption(parser) -> None:
     parser.addoption("--update-images", action="store_true",
                      help="write the browser tests' screenshots into docs/images/ (else a temporary folder)")
+    parser.addoption("--order", default="file", metavar="file|reverse|SEED",
+                     help="run the tests in file order, in reverse, or shuffled by this seed (a number); the files "
+                          "stay whole either way, so each module's fixtures are set up once")
+
+
+def pytest_report_header(config) -> str:
+    return f"test order: {config.getoption('--order')} (--order)"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Reorder the tests as --order says: proof that none needs another to have run before it."""
+    import random
+
+    order = config.getoption("--order")
+    if order == "file":
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(modules.values())
+    if order == "reverse":
+        groups = [group[::-1] for group in groups[::-1]]
+    else:
+        shuffle = random.Random(int(order)).shuffle
+        shuffle(groups)
+        for group in groups:
+            shuffle(group)
+    items[:] = [item for group in groups for item in group]
 
 
 # Every temporary file or folder a test makes with tempfile goes here, so the leak check sees this
@@ -126,8 +154,8 @@ def nothing_left(request):
         from xla_magic import widget
 
         panel = widget._panels.get(session)
-        ours = {id(panel.on_record)} if panel is not None else set()
-        added = [f for f in after["listeners"] if f not in before["listeners"] and id(f) not in ours]
+        ours = [panel.on_record] if panel is not None else []  # the status panel's own, once it is shown
+        added = [f for f in after["listeners"] if f not in before["listeners"] and f not in ours]
         removed = [f for f in before["listeners"] if f not in after["listeners"]]
         if added:
             leaks.append(f"listeners it added: {added}")

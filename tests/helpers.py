@@ -75,18 +75,18 @@ def wait_zombie(pid: int, within: float = 30.0) -> bool:
 
 
 # A cell that starts a helper in a session of its own and a daemon (fork, setsid, fork again, the middle one
-# exits), waits until both are its own (ranks are subreapers: the daemon comes back to the rank), and names
-# the processes it now has: two a rank.
+# exits, and the cell reaps it: the daemon is then the rank's own, as ranks are subreapers), and names the
+# processes it now has: two a rank.
 DETACHED = """
 import os, subprocess, time, psutil
 helper = subprocess.Popen(['sleep', '300'], start_new_session=True)
-if os.fork() == 0:
+middle = os.fork()
+if middle == 0:
     os.setsid()
     if os.fork() == 0:
         time.sleep(300)
     os._exit(0)
-while len([p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]) < 2:
-    time.sleep(0.01)  # until the daemon is ours (re-parented to this rank)
+os.waitpid(middle, 0)
 sorted(p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
 """
 
@@ -292,6 +292,8 @@ class Kernel:
         self.client.stop_channels()
         if self.manager.is_alive():
             self.manager.shutdown_kernel(now=True)
+        else:  # a test killed it: its connection file is still ours to remove
+            self.manager.cleanup_resources()
 
 
 def notebook(*cells: str) -> nbformat.NotebookNode:

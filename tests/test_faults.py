@@ -7,21 +7,23 @@ is left but the idle launcher, and that the next cell works.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
-import socket
-import threading
+import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from helpers import assert_nothing_left, extension_processes, interrupt_once_shown, shown, strip_ansi, wait_gone, when
+from helpers import (assert_nothing_left, extension_processes, interrupt_once_shown, shown, strip_ansi, wait_for,
+                     wait_gone, when)
 from xla_magic import protocol
 from xla_magic.display import RankError, RunInterrupted
 
@@ -202,7 +204,7 @@ CASES = [
          "import subprocess\nchild = subprocess.Popen(['sleep', '300'])\n" + record("child.pid") + "rank",
          None, line=HELD_OPEN_GUARD, pool_breaks=False),
     Case("launcher-killed-mid-cell", "import time\nprint('sleeping', flush=True)\ntime.sleep(600)",
-         Exception, r"launcher[\s\S]*SIGKILL|SIGKILL[\s\S]*launcher", absent=("lost a rank", "ended without reporting"),
+         RankError, r"launcher[\s\S]*SIGKILL|SIGKILL[\s\S]*launcher", absent=("lost a rank", "ended without reporting"),
          pool_breaks=True, during=kill_the_launcher),
     Case("oom-kill-in-a-memory-cgroup",
          "import time\nif rank == 0:\n    import os\n    with open(f'{cgroup}/cgroup.procs', 'w') as procs:\n"
@@ -364,13 +366,16 @@ def test_segfault_shows_the_native_traceback(ip):
     assert re.search(r"\[rank 0\]\S* Fatal Python error", captured.stderr)
 
 
-def test_all_ranks_failing_the_same_way_are_folded(spawn):
-    with pytest.raises(RankError) as info:
-        spawn("--devices 8", "raise KeyError('same everywhere')")
+def test_all_ranks_failing_the_same_way_are_folded(ip, spawn, tmp_path):
+    with pytest.raises(RankError) as info:  # every rank raises once all are running the cell
+        spawn("--devices 8", ALL_HERE + "raise KeyError('same everywhere')", marks=str(tmp_path))
     error = info.value
-    # Ranks slower to fail than the fail-fast grace are stopped instead; on a
-    # loaded machine that can be any of them but the first.
-    assert len(error.ranks) >= 2
+    # Ranks slower to fail than the fail-fast grace are stopped instead (on a loaded machine, any but the
+    # first): each rank either failed, named, or was stopped; and at least two failed, to be folded.
+    states = {rank: state.state for rank, state in ip._xla_magic_session.history[-1].ranks.items()}
+    assert sorted(states) == list(range(8)) and len(error.ranks) >= 2
+    assert {rank for rank, state in states.items() if state == "failed"} == set(error.ranks)
+    assert {state for rank, state in states.items() if rank not in error.ranks} <= {"killed"}
     rendered = "\n".join(error._render_traceback_())
     assert rendered.count("KeyError: 'same everywhere'") == 2  # one traceback, one summary line
     others = ", ".join(map(str, error.ranks[1:]))
@@ -479,60 +484,57 @@ def test_reader_reassembles_frames_split_anywhere():
     assert [e.fields["text"] for e in events] == [f"line {i}" for i in range(50)]
 
 
-def _listeners(pids: set[int]) -> list:
-    found = []
-    for conn in psutil.net_connections(kind="all"):
-        if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
-            found.append(conn)
-        elif conn.pid in pids and conn.family == socket.AF_UNIX and conn.laddr:
-            found.append(conn)  # a named unix socket others could connect to
-    return found
+@contextlib.contextmanager
+def every_bind_and_listen(pids: list[int], folder: str) -> Iterator[list[tuple[str, str]]]:
+    """Every bind() and listen() that ``pids`` and all they start make during the block, as strace(1) sees them.
+
+    A check that cannot miss a short-lived listener, as sampling the
+    process table can: the calls themselves, from the kernel's own report.
+    Yields a list filled, once the block ends, with (call, arguments) pairs.
+    """
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace (scripts/install-browser installs it with the browser)")
+    log = os.path.join(folder, "strace.log")
+    tracer = subprocess.Popen(["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=bind,listen", "-o", log,
+                               *[arg for pid in pids for arg in ("-p", str(pid))]], stderr=subprocess.DEVNULL)
+    calls: list[tuple[str, str]] = []
+    try:
+        assert wait_for(lambda: all(traced_by(pid) == tracer.pid for pid in pids)), "strace did not attach"
+        yield calls
+    finally:
+        tracer.send_signal(signal.SIGINT)  # strace detaches and exits
+        tracer.wait(60)
+    with open(log) as lines:
+        calls.extend(re.findall(r"^\d+\s+(bind|listen)\((.*)$", lines.read(), re.M))
 
 
-def test_no_listener_is_open_during_a_run(ip, spawn):
+def traced_by(pid: int) -> int:
+    """The pid tracing ``pid`` (0: none), as /proc says."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("TracerPid:")))
+
+
+def test_no_listener_is_open_during_a_run(ip, spawn, tmp_path):
     """Our channel is inherited socket pairs: nothing anyone could connect to.
 
     gloo (only once a cell uses a collective) and the XLA runtime open ports of
-    their own on loopback; this cell uses neither, so nothing may listen at all.
+    their own on loopback; this cell uses neither, so nothing may listen at all,
+    nor bind a unix socket to a name (a path or an abstract name) others could reach.
     """
-    seen: list = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            pids = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-            seen.extend(_listeners(pids))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        spawn("--devices 2", "import time\ntime.sleep(1.5)\nrank")
-    finally:
-        done.set()
-        watcher.join()
-    assert seen == []
+    launcher = ip._xla_magic_session.ready_launcher().pid
+    with every_bind_and_listen([os.getpid(), launcher], str(tmp_path)) as calls:
+        spawn("--devices 2", "rank")
+    assert [args for call, args in calls if call == "listen"] == []
+    assert [args for call, args in calls if "AF_UNIX" in args and "sun_path=" in args] == []
 
 
-def test_collectives_listen_on_loopback_only(ip, spawn):
-    seen: list = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            pids = {p.pid for p in psutil.Process().children(recursive=True)}
-            seen.extend(c for c in _listeners(pids) if c.family != socket.AF_UNIX)
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        spawn("--devices 2", "import time\nstrategy.barrier()\ntime.sleep(1.5)\nrank")
-    finally:
-        done.set()
-        watcher.join()
-    assert seen, "gloo opened no listener: the cell did not exercise a collective"
-    assert all(conn.laddr.ip in ("127.0.0.1", "::1") for conn in seen), seen
+def test_collectives_listen_on_loopback_only(ip, spawn, tmp_path):
+    launcher = ip._xla_magic_session.ready_launcher().pid
+    with every_bind_and_listen([launcher], str(tmp_path)) as calls:
+        spawn("--devices 2", "strategy.barrier()\nrank")
+    assert [call for call, _ in calls if call == "listen"], "gloo opened no listener: the cell did not exercise a collective"
+    inet = [args for call, args in calls if call == "bind" and "AF_INET" in args]
+    assert inet and all('inet_addr("127.0.0.1")' in args or '"::1"' in args for args in inet), inet
 
 
 def test_flood_keeps_every_line_and_folds_the_display(spawn):

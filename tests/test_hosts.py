@@ -12,8 +12,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, launch_template, make_hosts,
-                                  start_line,
                                   wait_until_empty)
+from tests.hosts_fixtures import pool, pool_of_the_module  # noqa: F401 (fixtures)
 from helpers import interrupt_once_shown, pool_magic, shown, wait_for, when
 from xla_magic.display import RankError, RunInterrupted
 
@@ -27,30 +27,6 @@ def hosts():
         yield simulated
     finally:
         simulated.down()
-
-
-@pytest.fixture(scope="module")
-def module_pool(ip, hosts):
-    """The module's pool across the hosts: started once, stopped at the end whatever state the tests left it in."""
-    try:
-        yield
-    finally:
-        pool_magic(ip, "stop")
-
-
-@pytest.fixture
-def pool(ip, hosts, module_pool):
-    """The module's pool, ready: started on first use, or again where an earlier test broke or stopped it.
-
-    So each test gets a working pool whatever ran before it, in any order.
-    """
-    running = ip._xla_magic_session.current_hosts()
-    if running is None:
-        shown = pool_magic(ip, start_line(hosts))
-        assert "pool ready" in shown and "2 hosts x 2 ranks" in shown
-    elif running.state == "broken":
-        assert "pool ready" in pool_magic(ip, "restart")
-    yield ip._xla_magic_session.hosts
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST, make_hosts, start_line
+from tests.hosts_fixtures import RANKS_PER_HOST, make_hosts
+from tests.hosts_fixtures import pool, pool_of_the_module  # noqa: F401 (fixtures)
 
 WORLD = 2 * RANKS_PER_HOST
 
@@ -28,17 +29,6 @@ def hosts():
         yield simulated
     finally:
         simulated.down()
-
-
-@pytest.fixture(scope="module")
-def pool(ip, hosts):
-    with capture_output() as shown:
-        ip.run_line_magic("xla_pool", start_line(hosts))
-    assert "pool ready" in shown.stdout
-    try:
-        yield ip._xla_magic_session.hosts
-    finally:
-        ip.run_line_magic("xla_pool", "stop")
 
 
 def cell(ip, source: str, line: str = "") -> tuple[Any, str, str]:

@@ -92,9 +92,10 @@ def test_a_launcher_killed_mid_cell_is_named_and_the_next_cell_recovers(ip, spaw
 def test_a_pool_whose_launcher_died_says_so(ip, spawn):
     pool_magic(ip, "start --devices 2 --backend cpu")
     try:
+        pool = ip._xla_magic_session.pool
         launcher = ip._xla_magic_session.launcher.pid
         os.kill(launcher, signal.SIGKILL)
-        assert wait_gone([launcher]) == []
+        assert wait_gone([launcher, pool.supervisor_pid, *pool.pids.values()]) == []  # its pool dies with it
         with pytest.raises(UsageError, match=r"the launcher process died \(SIGKILL.*%xla_pool restart"):
             spawn("", "rank")
         assert re.search(r"broken: the launcher process died", pool_magic(ip, "status"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.magic_arguments import parse_argstring
-from nbclient import NotebookClient
 
+from helpers import execute as run_notebook, strip_ansi
 from xla_magic.magics import XlaMagics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,14 +46,7 @@ def tags(cell: nbformat.NotebookNode) -> set[str]:
 
 def execute(notebook: nbformat.NotebookNode, **env: str) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel of this environment, in notebooks/."""
-    client = NotebookClient(
-        notebook,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(NOTEBOOKS)}},
-    )
-    client.execute(env={**os.environ, **env})
-    return notebook
+    return run_notebook(notebook, path=str(NOTEBOOKS), timeout=300, allow_errors=False, **env)
 
 
 def cell_with(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
@@ -149,7 +141,7 @@ def test_quickstart_lightning_trains_across_the_ranks(quickstart):
     shown = "".join(out.text for out in trainer.outputs if out.output_type == "stream")
     # Lightning's progress bar is rich's where rich is installed: its colours
     # and cursor codes around the text, which a notebook does not show.
-    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown)
+    shown = strip_ansi(shown)
     assert "[rank 0] Epoch 14" in shown and "[rank 1]" not in shown  # progress and logs from rank 0 only
     check = stdout(cell_with(quickstart, "Lightning on"))
     assert "Lightning on 4 ranks, the same weights everywhere: True" in check
