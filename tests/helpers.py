@@ -104,6 +104,28 @@ WRITE_MEET_READ = (
 )
 
 
+# FSDPv2 as torch_xla's docs use it, in cell code: wrap ``module`` over ``mesh``'s "fsdp" axis, shard the
+# input the same way, then step an ordinary optimizer STEPS times (``losses``, one a step). A test gives
+# module, mesh, inputs, targets, STEPS and LR, and computes its reference with plain torch.
+FSDP_WRAP = """
+model = FSDPv2(module, mesh=mesh)  # the docs pass it positionally; 2.9 takes it by keyword only
+optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+x, y = inputs.to(device), targets.to(device)
+xs.mark_sharding(x, mesh, ("fsdp", None))
+xs.mark_sharding(y, mesh, ("fsdp", None))
+"""
+FSDP_STEPS = """
+losses = []
+for step in range(STEPS):
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    torch_xla.sync()
+    losses.append(loss.item())
+"""
+
+
 # --- what the extension started
 
 
@@ -193,6 +215,13 @@ def main_thread_in(function: Callable[..., Any]) -> bool:
 
 def files_in(folder: str) -> int:
     return len(os.listdir(folder))
+
+
+def emptied(folder: str) -> str:
+    """``folder``, its files removed (for the next cell's marks)."""
+    for name in os.listdir(folder):
+        os.remove(os.path.join(folder, name))
+    return folder
 
 
 def interrupt_once_written(folder: str, count: int, **kwargs: Any) -> threading.Event:
