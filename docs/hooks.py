@@ -3,6 +3,8 @@
 - The home page is README.md: ``docs/index.md`` is a placeholder whose text
   this replaces with the README's, its links into ``docs/`` made relative to
   the page, so the landing page's facts live in one file.
+- The changelog page's snippet (``--8<-- "CHANGELOG.md"``) is read from the
+  repository's root wherever mkdocs runs from.
 - A generated page that is not what its generator writes now fails the build:
   the magic reference (docs/magic_reference.py, from the magics' parsers) and
   the set-up figures (docs/figures.py, from docs/figures.json).
@@ -30,6 +32,11 @@ def doc_script(name: str) -> Any:
 
 def readme_as_home_page() -> str:
     return (ROOT / "README.md").read_text(encoding="utf-8").replace("](docs/", "](")
+
+
+def on_config(config: Any) -> Any:
+    config.mdx_configs.setdefault("pymdownx.snippets", {})["base_path"] = [str(ROOT)]
+    return config
 
 
 def on_pre_build(config: Any) -> None:

@@ -67,9 +67,13 @@ def test_the_site_builds_strict_and_offline(tmp_path):
     generated page) fails it. The built pages load nothing from another host."""
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    # From another directory: nothing (the changelog's snippet included) may depend on where mkdocs runs.
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    newest = re.search(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.MULTILINE)
+    assert newest and newest.group(1) in (site / "changelog.html").read_text(encoding="utf-8")
     built = {path.name for path in site.glob("*.html")}
     assert {f"{path.stem}.html" for path in DOCS.glob("*.md")} <= built
     assert (site / "search" / "search_index.json").exists()
@@ -160,18 +164,24 @@ def test_in_cell_names_are_documented():
         assert f"| `{name}` |" in text
 
 
-TROUBLESHOOTING_ENTRY = re.compile(r"^## `([^`]+)`(?: \{#([a-z0-9-]+)\})?$", re.MULTILINE)
+# An entry: its stable anchor (an HTML id, which GitHub and the site both honour), then its heading.
+TROUBLESHOOTING_ENTRY = re.compile(r'^(?:<a id="([a-z0-9-]+)"></a>\n\n)?## `([^`]+)`$', re.MULTILINE)
+
+
+def troubleshooting_entries() -> list[tuple[str, str]]:
+    """(message, id) of each entry: the heading ## `message`, and the <a id="id"></a> just above it."""
+    return [(message, anchor) for anchor, message in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))]
 
 
 def troubleshooting_messages() -> list[str]:
-    """Headings of the form ## `message` {#id}: an error message a user may see."""
-    return [message for message, _ in TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))]
+    """Headings of the form ## `message`: an error message a user may see."""
+    return [message for message, _ in troubleshooting_entries()]
 
 
 def test_each_troubleshooting_entry_has_a_stable_id():
-    entries = TROUBLESHOOTING_ENTRY.findall(page("troubleshooting"))
+    entries = troubleshooting_entries()
     ids = [anchor for _, anchor in entries]
-    assert all(ids), f"entries without an {{#id}}: {[message for message, anchor in entries if not anchor]}"
+    assert all(ids), f"entries without an <a id>: {[message for message, anchor in entries if not anchor]}"
     assert len(set(ids)) == len(ids), "two troubleshooting entries share an id"
 
 
@@ -212,6 +222,57 @@ def test_each_known_problem_is_in_troubleshooting():
         assert any(re.search(pattern, message, re.IGNORECASE) for message in messages), (
             f"docs/troubleshooting.md has no message for the known problem {pattern!r} ({advice[:60]}...)"
         )
+
+
+def linked_entries() -> dict[str, list[str]]:
+    """Every troubleshooting.see("ID") in xla_magic's source: ID -> the modules that link to it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "xla_magic").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "see":
+                assert len(node.args) == 1 and isinstance(node.args[0], ast.Constant), (
+                    f"{path.name}:{node.lineno}: see() takes one literal entry id, so this test can check it"
+                )
+                found.setdefault(node.args[0].value, []).append(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_each_message_links_to_an_entry_that_exists():
+    from xla_magic.troubleshooting import PAGE
+
+    assert PAGE == "docs/troubleshooting.md" and (ROOT / PAGE).exists()
+    anchors = {anchor for _, anchor in troubleshooting_entries()}
+    linked = linked_entries()
+    assert len(linked) >= 15, sorted(linked)
+    missing = {entry: modules for entry, modules in linked.items() if entry not in anchors}
+    assert missing == {}, f"messages link to troubleshooting entries that do not exist: {missing}"
+
+
+def test_each_known_problem_links_to_the_entry_for_its_message():
+    from xla_magic.display import KNOWN_PROBLEMS
+
+    entries = {anchor: message for message, anchor in troubleshooting_entries()}
+    for pattern, advice in KNOWN_PROBLEMS:
+        link = re.search(r"See docs/troubleshooting\.md#([a-z0-9-]+)\.$", advice)
+        assert link, f"the advice for {pattern!r} does not end with its troubleshooting link: {advice!r}"
+        assert re.search(pattern, entries[link.group(1)], re.IGNORECASE), (
+            f"{pattern!r} links to #{link.group(1)}, whose message is {entries[link.group(1)]!r}"
+        )
+
+
+def test_a_refusal_names_its_entry(monkeypatch):
+    """A real refusal on this machine (no TPU chips): --backend tpu without PJRT_DEVICE."""
+    from xla_magic import probe
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    assert probe.find_tpu() is None
+    with pytest.raises(probe.PlacementError) as info:
+        probe.place("tpu", None)
+    message = str(info.value)
+    assert message.startswith("no TPU was found on this machine")
+    assert message.endswith("See docs/troubleshooting.md#no-tpu-found.")
+    entries = dict((anchor, text) for text, anchor in troubleshooting_entries())
+    assert message.startswith(entries["no-tpu-found"])
 
 
 def test_local_links_resolve():

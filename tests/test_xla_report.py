@@ -60,7 +60,8 @@ def test_a_ragged_last_batch_is_one_recompilation_named_at_its_line(ip, spawn):
         assert len(in_loop) == 2 and in_loop[0]["input_bytes"] > in_loop[1]["input_bytes"]
     [summary] = xla_lines(run.stdout)
     assert summary.count("recompiled") == 1
-    assert f"recompiled at line {RAGGED_SYNC_LINE} (torch_xla.sync()): input shapes changed" in summary
+    shapes = f"x: {hlo_type([512, 64])} → {hlo_type([100, 64])}"  # the loop's batches, as RAGGED makes them
+    assert f"recompiled at line {RAGGED_SYNC_LINE} (torch_xla.sync()): shapes changed, {shapes}" in summary
     assert "ranks differ" not in summary
 
 
@@ -134,7 +135,8 @@ def test_a_pool_cell_run_twice_compiles_nothing_the_second_time_and_new_shapes_a
     [summary] = xla_lines(third.stdout)
     sync_line = line_of(SHAPED, "torch_xla.sync()")
     assert re.search(rf"line {sync_line} compiled again \(the same code compiled in run \d+\): "
-                     r"this cell's input shapes differ from the last", summary), summary
+                     + re.escape(f"this cell's shapes differ from the last (x: {hlo_type([256, 32])} → {hlo_type([40, 32])})"),
+                     summary), summary
 
 
 DIFFERENT_GRAPHS = OWN_COUNTS + """
@@ -285,3 +287,66 @@ def test_the_docs_slow_loop_shows_what_the_page_says(ip, spawn):
     run = spawn("--devices 2", cell)  # the same line on fewer ranks (only the table names them)
     seconds = re.compile(r"\d+(\.\d+)? s\b")
     assert [seconds.sub("T s", text) for text in xla_lines(run.stdout)] == [seconds.sub("T s", shown.strip())]
+
+
+def hlo_type(tensor_shape: list[int]) -> str:
+    """How the account writes an f32 tensor's type: f32[8,16]."""
+    return f"f32[{','.join(map(str, tensor_shape))}]"
+
+
+# Shapes made on the device: the graph's inputs (w, the RNG seed) keep their size, its outputs do not.
+DEVICE_SHAPES = """
+import torch, torch_xla
+w = torch.randn(16, 4, device=device)
+shapes = []
+for n in [8, 8, 8, 8, 5]:
+    x = torch.randn(n, 16, device=device)
+    y = (x @ w).relu().sum()
+    torch_xla.sync()
+    shapes.append(list(x.shape))
+shapes
+"""
+
+
+def test_shapes_made_on_the_device_are_named_under_the_cell(ip, spawn):
+    run = spawn("--devices 2 --backend cpu", DEVICE_SHAPES)
+    sync_line = line_of(DEVICE_SHAPES, "torch_xla.sync()")
+    full, short = hlo_type(run.value[0][0]), hlo_type(run.value[0][-1])  # the shapes x really had
+    for rank in (0, 1):
+        at_sync = [c for c in account(ip, rank)["compilations"] if c["line"] == sync_line]
+        assert at_sync[0]["shapes"]["x"] == full and at_sync[-1]["shapes"]["x"] == short
+        assert all(c["memory"].keys() >= {"inputs", "outputs", "temporaries", "program"} for c in at_sync)
+    [summary] = xla_lines(run.stdout)
+    assert f"recompiled at line {sync_line} (torch_xla.sync()): shapes changed, x: {full} → {short}" in summary
+    assert "ranks differ" not in summary
+    with capture_output() as shown:
+        ip.run_line_magic("xla_report", "")
+    assert f"x {short}" in shown.stdout and "largest graph: line" in shown.stdout, shown.stdout
+    assert re.search(r"in (<1 KB|\d+\.\d KB), out ", shown.stdout), shown.stdout
+
+
+RANK_SHAPES = """
+import torch, torch_xla
+x = torch.ones(4 + 4 * rank, 8, device=device)
+y = (x * 2).sum()
+torch_xla.sync()
+list(x.shape)
+"""
+RANK_CONSTANT = """
+import torch, torch_xla
+x = torch.ones(4, 8, device=device)
+y = (x * rank).sum()
+torch_xla.sync()
+"""
+
+
+def test_ranks_whose_graphs_differ_in_shape_are_named_and_a_constant_stays_quiet(ip, spawn):
+    run = spawn("--devices 3 --backend cpu", RANK_SHAPES)
+    theirs = [hlo_type(shape) for shape in run.value]
+    assert [account(ip, r)["compilations"][-1]["shapes"]["x"] for r in range(3)] == theirs
+    [summary] = xla_lines(run.stdout)
+    assert (f"ranks differ: rank 1 compiled 1 graph with other shapes (x: {theirs[1]} against {theirs[0]}); "
+            f"rank 2 compiled 1 graph with other shapes (x: {theirs[2]} against {theirs[0]}), rank 0 1 graph") in summary
+    run = spawn("--devices 3 --backend cpu", RANK_CONSTANT)
+    assert len({account(ip, r)["compilations"][-1]["hash"] for r in range(3)}) == 3  # three graphs, ...
+    assert xla_lines(run.stdout) == []  # ... told apart only by a constant: harmless

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable
 
+from xla_magic.troubleshooting import see
+
 RED = "\x1b[31m"
 RESET = "\x1b[0m"
 DEFAULT_LINES_PER_RANK = 1000
@@ -211,7 +213,7 @@ KNOWN_PROBLEMS = [
         r"TPU is already in use|already in use by process|device or resource busy",
         "another process holds the TPU: a previous kernel, or a process it left "
         "behind. Find it with `sudo lsof -w /dev/accel* /dev/vfio/*`, end it (or "
-        "restart the runtime), then run the cell again.",
+        "restart the runtime), then run the cell again. " + see("tpu-in-use"),
     ),
     (
         r"/dev/accel\d.*(Operation not permitted|Permission denied)|Couldn't open iommu group|"
@@ -219,19 +221,26 @@ KNOWN_PROBLEMS = [
         "libtpu is already held in this process, usually by a TPU build of "
         "TensorFlow that an import pulled in (common on Kaggle and Colab). Don't "
         "import tensorflow in %%xla_spawn cells or in modules they import, or "
-        "uninstall tensorflow-tpu, then restart the kernel.",
+        "uninstall tensorflow-tpu, then restart the kernel. " + see("accel-operation-not-permitted"),
     ),
     (
-        r"Runtime is already initialized|before processes have spawned",
+        r"Runtime is already initialized",
         "an XLA runtime was started before the ranks: keep every use of the XLA "
-        "device inside %%xla_spawn cells and restart the kernel if it touched one.",
+        "device inside %%xla_spawn cells and restart the kernel if it touched one. "
+        + see("runtime-already-initialized"),
+    ),
+    (
+        r"before processes have spawned",
+        "Lightning asked for its XLA device before any rank existed: create the Trainer "
+        "or Fabric inside a %%xla_spawn cell, and restart the kernel if it touched the device. "
+        + see("lightning-device-before-spawn"),
     ),
     (
         # HF Trainer's default optimizer (adamw_torch_fused) on XLA tensors.
         r"`?fused=True`? requires all the params to be floating point Tensors of supported devices",
         "torch's fused AdamW does not run on XLA devices, and it is the HF Trainer's default "
         "optimizer: pass optim=\"adamw_torch\" to TrainingArguments (or fused=False to "
-        "torch.optim.AdamW).",
+        "torch.optim.AdamW). " + see("fused-adamw"),
     ),
     # The host's memory before the device's: our own SIGKILL hint says "ran out
     # of memory", and the device advice would contradict it.
@@ -241,12 +250,13 @@ KNOWN_PROBLEMS = [
         "of what it loads, so 8 ranks need 8 times the host memory. Load one rank at a time "
         "(a loop over `rank` with `strategy.barrier()`), move weights to the device right "
         "away, load in a smaller dtype, or use fewer ranks (--devices). `dmesg` or "
-        "`journalctl -k` says \"Out of memory: Killed process\" when this was the cause.",
+        "`journalctl -k` says \"Out of memory: Killed process\" when this was the cause. "
+        + see("sigkill-out-of-memory"),
     ),
     (
         r"RESOURCE_EXHAUSTED|Attempting to (reserve|allocate)|Ran out of memory in memory space|"
         r"Error allocating device buffer",
-        "a device ran out of memory: use a smaller batch or model, or bfloat16.",
+        "a device ran out of memory: use a smaller batch or model, or bfloat16. " + see("resource-exhausted"),
     ),
 ]
 

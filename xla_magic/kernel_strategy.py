@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from xla_magic.troubleshooting import see
+
 
 class OutsideSpawnError(RuntimeError):
     """A strategy attribute was used where no rank runs (the kernel)."""
@@ -33,7 +35,7 @@ class StrategyProxy:
                 f"strategy.{name} is only available inside a %%xla_spawn cell, where each "
                 f"rank has its own device. The kernel never starts an XLA runtime (that would "
                 f"stop any later spawn), so move this call into a %%xla_spawn cell or into a "
-                f"function that such a cell calls."
+                f"function that such a cell calls. " + see("strategy-outside-cell")
             )
         return getattr(target, name)
 

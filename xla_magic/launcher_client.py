@@ -21,6 +21,7 @@ from typing import Any
 
 
 from xla_magic import place, protocol, transport
+from xla_magic.troubleshooting import see
 
 READY_TIMEOUT = 300.0
 SUBMIT_TIMEOUT = 60.0  # for the launcher to take a job and say STARTED
@@ -124,7 +125,8 @@ class Launcher:
             if isinstance(exc, OSError):
                 raise LauncherError(
                     f"could not start the launcher with {self.python}: {exc}. Point XLA_MAGIC_PYTHON "
-                    f"at a Python that has torch_xla, or unset it to use the kernel's own ({sys.executable})."
+                    f"at a Python that has torch_xla, or unset it to use the kernel's own ({sys.executable}). "
+                    + see("launcher-could-not-start")
                 ) from exc
             raise
 
@@ -199,7 +201,7 @@ class Launcher:
                 f"the launcher could not import torch_xla with {self.python}: "
                 f"{event.fields['message']}. Install it there (locally: "
                 f"pip install 'xla_magic[local]'; Colab and Kaggle TPU images ship it), "
-                f"or point XLA_MAGIC_PYTHON at an interpreter that has it."
+                f"or point XLA_MAGIC_PYTHON at an interpreter that has it. " + see("launcher-no-torch-xla")
             )
         raise LauncherError(f"the launcher exited while starting{self._log_excerpt()}")
 

@@ -25,6 +25,7 @@ from IPython.core.error import UsageError
 from IPython.core.inputtransformer2 import TransformerManager
 
 from xla_magic import transport
+from xla_magic.troubleshooting import see
 
 # Names every rank provides itself; the kernel's values are never shipped.
 RANK_NAMES = frozenset({"rank", "world_size", "device", "strategy"})
@@ -154,7 +155,7 @@ def pickle_namespace(values: Mapping[str, Any], segments: transport.RunSegments 
                     f"Cannot send notebook variable '{name}' ({type(value).__module__}."
                     f"{type(value).__qualname__}) to the ranks: {type(exc).__name__}: {exc}. "
                     f"Create it inside the %%xla_spawn cell instead, or rename it there "
-                    f"if the cell does not need the notebook's value."
+                    f"if the cell does not need the notebook's value. " + see("cannot-send-variable")
                 ) from exc
         raise UsageError(
             f"Cannot send the notebook variables {sorted(values)} to the ranks "

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from xla_magic.troubleshooting import see
+
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # PCI device id -> TPU generation, and how many XLA devices one chip gives.
 TPU_PCI_DEVICES = {
@@ -92,7 +94,7 @@ def kernel_xla_runtime() -> str | None:
         "this kernel has initialised an XLA runtime (a cell used an XLA device "
         "outside %%xla_spawn), and only one process can own the devices, so no "
         "ranks can be started. Restart the kernel, then keep every use of "
-        "torch_xla and the XLA device inside %%xla_spawn cells."
+        "torch_xla and the XLA device inside %%xla_spawn cells. " + see("kernel-initialised-xla")
     )
 
 
@@ -122,7 +124,7 @@ def kernel_holds_libtpu() -> str | None:
     return (
         f"this kernel has loaded libtpu{how}, which holds the TPU, so no rank can "
         "open it. Restart the kernel and don't import tensorflow or jax in it; "
-        "import them inside %%xla_spawn cells if a rank needs them."
+        "import them inside %%xla_spawn cells if a rank needs them. " + see("kernel-loaded-libtpu")
     )
 
 
@@ -191,7 +193,7 @@ def place(backend: str, devices: int | None, sys_root: str = "/sys") -> Placemen
     if count not in possible:
         raise PlacementError(
             f"{tpu.describe()}: torch_xla's spawn runs on one device or on all of them, so "
-            f"--devices can be {' or '.join(map(str, possible))}, not {count}."
+            f"--devices can be {' or '.join(map(str, possible))}, not {count}. " + see("devices-one-or-all")
         )
     return Placement("tpu", count)
 
@@ -206,12 +208,13 @@ def _place_without_chips(devices: int | None, sys_root: str) -> Placement:
     if not tpu_pjrt_requested():
         raise PlacementError(
             "no TPU was found on this machine. Use --backend cpu (or auto) for the CPU "
-            "simulation, or run on a TPU host."
+            "simulation, or run on a TPU host. " + see("no-tpu-found")
         )
     if devices not in (None, 1):
         raise PlacementError(
             f"PJRT_DEVICE=TPU is set, but no TPU chip shows under {sys_root}/bus/pci, so how many "
             f"devices this host has is unknown and --devices {devices} cannot be checked. Use "
-            f"--devices 1, or run where the chips are visible (a container needs the host's /sys)."
+            f"--devices 1, or run where the chips are visible (a container needs the host's /sys). "
+            + see("no-tpu-chip-shows")
         )
     return Placement("tpu", 1)

@@ -37,6 +37,7 @@ from IPython.core.error import UsageError
 from xla_magic import probe, protocol, sharding, transport
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
 from xla_magic.shipping import Shipping
+from xla_magic.troubleshooting import see
 
 RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
 STOP_WAIT = 5.0  # how long the ranks get to leave after the kernel closes their sockets
@@ -305,7 +306,7 @@ class Ranks:
         if launcher is None or launcher.alive():
             return None
         return (f"the launcher process died ({describe_exit(launcher.process.returncode)}), and its ranks "
-                f"with it; the next cell starts a new launcher")
+                f"with it; the next cell starts a new launcher. " + see("launcher-died"))
 
     def check_usable(self) -> None:
         if self.state == "broken":

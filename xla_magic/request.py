@@ -33,6 +33,7 @@ from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, Rank
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit, process_stopped
 from xla_magic.record import RankState, RunRecord
+from xla_magic.troubleshooting import see
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 STOP_GRACE = 1.5  # between SIGINT, SIGTERM and SIGKILL; how long a pool's ranks get to answer SIGINT
@@ -239,8 +240,8 @@ class Request:
                 for rank in ranks:
                     self._rank_state(rank, "stopped")
                 print(f"[{self._tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
-                      f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell.",
-                      flush=True)
+                      f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell. "
+                      + see("rank-stopped-by-signal"), flush=True)
             elif not stopped and pid in self.stopped_pids:
                 self.stopped_pids.discard(pid)
                 for rank in ranks:

@@ -24,6 +24,7 @@ SYNCS_WORTH_A_LOOK = 10
 ALL_SYNCS_WORTH_A_LOOK = 20  # ... in all, before the summary names them
 KEEPS_COMPILING = 5  # compilations from one place (a warm-up compiles two or three)
 LONG_COMPILE = 10.0  # seconds of compiling that are worth a word on their own
+RANKS_NAMED = 2  # sets of ranks that differ from the rest, named one by one in the summary
 
 
 @dataclass
@@ -160,13 +161,32 @@ def _place(compilation: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _sizes_differ(before: dict[str, Any], after: dict[str, Any]) -> bool:
-    """The same inputs, of other sizes: shapes changed. (Another number of inputs is another graph,
-    as a first step's that also ran the pending initialisation.)"""
+    """Shapes changed: a tensor the cell names has another shape, or the same inputs have other sizes.
+    (Another number of inputs alone is another graph, as a first step's that also ran the pending
+    initialisation.)"""
+    if _shapes_changed(before, after):
+        return True
     return before.get("inputs") == after.get("inputs") and before.get("input_bytes") != after.get("input_bytes")
+
+
+def _shapes_changed(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(name, shape before, shape after) of the tensors both compilations saw the cell name, that changed shape."""
+    old, new = before.get("shapes") or {}, after.get("shapes") or {}
+    return [(name, old[name], new[name]) for name in old if name in new and old[name] != new[name]]
+
+
+def _shape_change(changed: list[tuple[str, str, str]]) -> str:
+    """x: f32[8,16] → f32[5,16] (two at most, and how many more)."""
+    told = ", ".join(f"{name}: {old} → {new}" for name, old, new in changed[:2])
+    return told + (f" and {len(changed) - 2} more" if len(changed) > 2 else "")
 
 
 def _why(before: dict[str, Any], after: dict[str, Any], across: bool = False) -> str:
     """What differs between two compilations of the same code."""
+    changed = _shapes_changed(before, after)
+    if changed:
+        return f"shapes differ from the last ({_shape_change(changed)})" if across else \
+            f"shapes changed, {_shape_change(changed)}"
     if before.get("input_bytes") != after.get("input_bytes") and None not in (before.get("input_bytes"), after.get("input_bytes")):
         change = f"{_bytes(before['input_bytes'])} → {_bytes(after['input_bytes'])} of graph inputs"
         return f"input shapes differ from the last ({change})" if across else f"input shapes changed, {change}"
@@ -214,20 +234,35 @@ def _ranks_differ(found: list[Group], record: RunRecord) -> str:
     apart = [group for group in found if not group.shared]
     if len(apart) < 2:
         return ""
-    counts = {group.account["compiles"] for group in apart}
-    sizes = {tuple(c["input_bytes"] for c in group.account["compilations"]) for group in apart}
-    if len(counts) < 2 and len(sizes) < 2:
-        return ""
     # Ranks that did the same, for this purpose, together; the largest such set is "the rest".
     alike: dict[tuple[Any, ...], list[int]] = {}
+    first: dict[tuple[Any, ...], Group] = {}
     for group in apart:
-        key = (group.account["compiles"], tuple(c["input_bytes"] for c in group.account["compilations"]))
+        compilations = group.account["compilations"]
+        key = (group.account["compiles"], tuple(c["input_bytes"] for c in compilations),
+               tuple(tuple(sorted((c.get("shapes") or {}).items())) for c in compilations))
         alike.setdefault(key, []).extend(group.ranks)
+        first.setdefault(key, group)
+    if len(alike) < 2:
+        return ""
     rest_key = max(alike, key=lambda key: len(alike[key]))
-    named = "; ".join(
-        f"{_who(ranks)} compiled {_graphs(key[0])}" + (" with inputs of other sizes" if key[0] == rest_key[0] else "")
-        for key, ranks in alike.items() if key != rest_key
-    )
+    rest = first[rest_key].account["compilations"]
+
+    def how(key: tuple[Any, ...]) -> str:
+        if key[0] != rest_key[0]:
+            return ""
+        changed = [change for theirs, ours in zip(first[key].account["compilations"], rest)
+                   for change in _shapes_changed(ours, theirs)]
+        if changed:
+            return " with other shapes (" + ", ".join(
+                f"{name}: {new} against {old}" for name, old, new in changed[:2]) + ")"
+        return " with inputs of other sizes"
+
+    others = [(key, ranks) for key, ranks in alike.items() if key != rest_key]
+    named = "; ".join(f"{_who(ranks)} compiled {_graphs(key[0])}{how(key)}" for key, ranks in others[:RANKS_NAMED])
+    if len(others) > RANKS_NAMED:
+        rest_of_them = [rank for _key, ranks in others[RANKS_NAMED:] for rank in ranks]
+        named += f"; {_who(rest_of_them)} differ{'s' * (len(rest_of_them) == 1)} too"
     return f"ranks differ: {named}, {_who(alike[rest_key])} {_graphs(rest_key[0])}"
 
 
@@ -288,23 +323,63 @@ def rows(record: RunRecord) -> list[list[str]]:
 
 
 def compilation_rows(record: RunRecord) -> list[list[str]]:
-    """Each compilation (ranks with the same story once): ranks, where, code, cause, graph, inputs, time."""
+    """Each compilation (ranks with the same story once): ranks, where, code, cause, graph, inputs, shapes, memory, time."""
     table = []
     for group in groups(record):
         account = group.account
         for compilation in account["compilations"]:
             inputs = "" if compilation["inputs"] is None else str(compilation["inputs"])
             if compilation["input_bytes"] is not None:
-                inputs += f" ({_bytes(compilation['input_bytes'])})"
+                inputs += f" ({_analysis_bytes(compilation['input_bytes'])})"
             table.append([
                 _ranks(group.ranks), _where(account, compilation), _short(compilation["code"]), compilation["cause"],
-                compilation["hash"][:12], inputs,
+                compilation["hash"][:12], inputs, _shapes(compilation), memory_text(compilation.get("memory")),
                 "" if compilation["seconds"] is None else _seconds(compilation["seconds"]),
             ])
     return table
 
 
-COMPILATION_COLUMNS = ("ranks", "where", "code", "cause", "graph", "inputs", "time")
+COMPILATION_COLUMNS = ("ranks", "where", "code", "cause", "graph", "inputs", "shapes", "memory", "time")
+# The post-compilation analysis's sizes, as the report names them.
+MEMORY_PARTS = (("inputs", "in"), ("outputs", "out"), ("temporaries", "temp"), ("program", "program"))
+
+
+def _shapes(compilation: dict[str, Any], limit: int = 4) -> str:
+    """The tensors the cell named when it compiled: x f32[8,16], w f32[16,4], ... ("" where not known)."""
+    named = list((compilation.get("shapes") or {}).items())
+    text = ", ".join(f"{name} {shape}" for name, shape in named[:limit])
+    return text + (f" +{len(named) - limit}" if len(named) > limit else "")
+
+
+def memory_text(memory: dict[str, int] | None) -> str:
+    """in 18.9 KB, out 1.0 KB, temp <1 KB, program <1 KB; "n/a" where the backend gave no figure.
+
+    torch_xla prints GB with six decimals: 0 means less than about a kilobyte.
+    """
+    if not memory:
+        return "n/a"
+    return ", ".join(f"{label} {_analysis_bytes(memory[part])}" for part, label in MEMORY_PARTS if part in memory)
+
+
+def _analysis_bytes(count: int) -> str:
+    """A size from the post-compilation analysis, which gives GB with six decimals: 0 is under about a KB."""
+    return _bytes(count) if count else "<1 KB"
+
+
+def largest_graph(record: RunRecord) -> str:
+    """The cell's largest compiled graph by its memory (inputs, outputs, temporaries): where, and its figures."""
+    best: tuple[int, Group, dict[str, Any]] | None = None
+    for group in groups(record):
+        for compilation in group.account["compilations"]:
+            memory = compilation.get("memory") or {}
+            size = sum(memory.get(part, 0) for part in ("inputs", "outputs", "temporaries"))
+            if memory and (best is None or size > best[0]):
+                best = (size, group, compilation)
+    if best is None:
+        return ""
+    _size, group, compilation = best
+    return (f"largest graph: {_where(group.account, compilation)} on {_who(group.ranks)}, "
+            f"{memory_text(compilation['memory'])}")
 
 
 def report_text(record: RunRecord) -> str:
@@ -316,6 +391,8 @@ def report_text(record: RunRecord) -> str:
     compilations = compilation_rows(record)
     if compilations:
         lines += ["", "Compilations:"] + _text_table(COMPILATION_COLUMNS, compilations)
+        largest = largest_graph(record)
+        lines += [largest] if largest else []
     line = summary(record)
     if line:
         lines += ["", line]
@@ -346,6 +423,9 @@ def report_html(record: RunRecord) -> str:
     compilations = compilation_rows(record)
     if compilations:
         parts += ["<h4>Compilations</h4>", table_html(COMPILATION_COLUMNS, compilations, "compilation")]
+        largest = largest_graph(record)
+        if largest:
+            parts.append(f'<div class="xla-note">{html.escape(largest)}</div>')
     line = summary(record)
     if line:
         parts.append(f'<div class="xla-summary">{html.escape(line)}</div>')

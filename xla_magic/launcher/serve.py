@@ -39,7 +39,7 @@ import types
 from typing import Any, Callable, Iterator
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt, lifetime, place, rank as rank_module, shell, xla_account
+from xla_magic.launcher import capture, interrupt, lifetime, place, rank as rank_module, shell, xla_account, xla_analysis
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -350,7 +350,7 @@ class RankServer:
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
         """What XLA did during the cell, unless the kernel asked for no report (see xla_account.py)."""
         if not fields.get("xla_report", True):
-            xla_account.forget_analysis()
+            xla_analysis.forget_analysis()
             yield
             return
         # Counting must never cost the cell: a fault in it (another torch_xla's API) only loses the account.
@@ -449,7 +449,7 @@ def serve(
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
         lifetime.become_subreaper()  # what a request starts stays ours to end (see lifetime.ChildWatch)
     request = _decode(first) if first is not None else None
-    xla_account.claim_analysis()  # before the runtime first compiles: torch_xla reads it once
+    xla_analysis.claim_analysis()  # before the runtime first compiles: torch_xla reads it once
     waiting_seq = request.fields.get("seq") if request is not None else START_SEQ
     started = time.monotonic()
     server: RankServer | None = None
@@ -495,7 +495,7 @@ def serve(
             server.shipped.close()
             server.flush_output()
         if not thread:
-            xla_account.release_analysis()
+            xla_analysis.release_analysis()
         capture.flush_all()
 
 

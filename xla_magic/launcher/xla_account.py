@@ -5,11 +5,19 @@ with their time and cause, executions, cache hits, device-to-host
 transfers and CPU fallbacks. Counts are deltas of torch_xla's own counters
 (``torch_xla._XLAC``, what ``torch_xla.debug.metrics`` reads) between the
 cell's start and end. Causes come from torch_xla's compilation analysis
-(``PT_XLA_DEBUG_LEVEL=1``): one block per compilation naming its cause,
-the graph's hash and the Python frames that triggered it. ``claim_analysis``
-points that analysis at a private file per process before the runtime
-first compiles (torch_xla reads the variables once); a user who set the
-variables keeps torch_xla's own output and the account has no causes.
+(``PT_XLA_DEBUG_LEVEL=1``, xla_analysis.py): one block per compilation
+naming its cause, the graph's hash, the Python frames that triggered it
+and the graph's memory; a user who set the variables keeps torch_xla's own
+output and the account has no causes.
+
+Shapes: where a sync (``torch_xla.sync``, which ``xm.mark_step`` calls,
+``.item()``, ``.tolist()``) compiled, the XLA tensors that the cell's frame
+names are read (dtype and shape: metadata, nothing syncs) and given to the
+compilations at that line. Shapes made on the device count: the graph's
+outputs are what the cell holds. Reading the graph's own text instead costs
+every step (``XLA_SAVE_TENSORS_FILE`` writes each sync's graph) or doubles
+the compile (``XLA_FLAGS=--xla_dump_to`` on XLA:CPU, measured), so the
+shapes come from the tensors, after the compile, and only then.
 
 Costs: a cell that does no XLA work pays two reads of the counters (a few
 microseconds); one that did waits at its end for the device work it
@@ -38,152 +46,25 @@ that is taken off.
 from __future__ import annotations
 
 import os
-import re
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 import torch
 
-# Set by a user, these give torch_xla's own debug output: then we set nothing.
-DEBUG_VARIABLES = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
-# Frames the analysis keeps per compilation (torch_xla's default is 8): a sync deep in a library still reaches the cell.
-ANALYSIS_FRAMES = 32
+from xla_magic.launcher.xla_analysis import claim_analysis, parse_analysis, read_analysis
+
 SYNC_FRAMES = 12  # how far up from .item() to look for a cell's line
 # The op torch_xla counts as aten::_local_scalar_dense is .item() and friends: a sync, not a fallback.
 SCALAR_READ = "aten::_local_scalar_dense"
 TRANSFERS = "TransferFromDeviceTime"
 COMPILE_TIME = "CompileTime"
 EXECUTE_TIMES = ("ExecuteTime", "ExecuteReplicatedTime")
-_FRAME = re.compile(r"^\s*(?P<function>.*) \((?P<file>.*):(?P<line>\d+)\)$")
-_GB = re.compile(r"Graph input size: ([0-9.]+) GB")
-
-
-# --- the analysis file --------------------------------------------------------------
-
-_claim_lock = threading.Lock()
-_claimed_pid: int | None = None
-_analysis_file: str | None = None
-_user_debug: bool | None = None  # decided once, before we set anything; inherited by forks
-
-
-def claim_analysis() -> str | None:
-    """Have this process's compilation analysis written to a private file; its path.
-
-    Call in each rank process before it compiles anything. None when the
-    user set torch_xla's debug variables themselves (their output stays
-    theirs, as without xla_magic).
-    """
-    global _claimed_pid, _analysis_file, _user_debug
-    with _claim_lock:
-        if _claimed_pid == os.getpid():
-            return _analysis_file
-        if _user_debug is None:
-            _user_debug = any(os.environ.get(name) for name in DEBUG_VARIABLES)
-        _claimed_pid = os.getpid()
-        _analysis_file = None
-        if _user_debug:
-            return None
-        descriptor, path = tempfile.mkstemp(prefix=f"xla_magic-analysis-{os.getpid()}-", suffix=".txt")
-        os.close(descriptor)
-        os.environ.update(PT_XLA_DEBUG_LEVEL="1", PT_XLA_DEBUG_FILE=path, PT_XLA_DEBUG_MAX_FRAME=str(ANALYSIS_FRAMES))
-        _analysis_file = path
-        return path
-
-
-def release_analysis() -> None:
-    """Remove this process's analysis file (at the rank's end)."""
-    global _analysis_file
-    with _claim_lock:
-        if _analysis_file is not None and _claimed_pid == os.getpid():
-            try:
-                os.unlink(_analysis_file)
-            except OSError:
-                pass
-            _analysis_file = None
-
-
-ANALYSIS_KEPT = 1 << 20  # bytes of analysis kept while no account reads it (--xla-report off)
-
-
-_unread_cells = 0
-
-
-def forget_analysis() -> None:
-    """Keep the analysis file small while cells ask for no account: what compiled then is nobody's.
-
-    Looks every hundredth such cell, so a cell with the report off costs nothing measurable.
-    """
-    global _unread_cells
-    _unread_cells += 1
-    path = _analysis_file
-    if _unread_cells % 100:
-        return
-    try:
-        if path is not None and os.stat(path).st_size > ANALYSIS_KEPT:
-            os.truncate(path, 0)
-    except OSError:
-        pass
-
-
-def read_analysis(path: str | None) -> str:
-    """What the analysis wrote since the last read; the file is emptied for the next."""
-    if path is None:
-        return ""
-    try:
-        with open(path, "r+", errors="replace") as file:
-            text = file.read()
-            if text:
-                file.truncate(0)
-            return text
-    except OSError:
-        return ""
-
-
-def parse_analysis(text: str) -> list[dict[str, Any]]:
-    """torch_xla's compilation analysis blocks, as one dict per compilation.
-
-    Keys: ``cause``, ``hash``, ``inputs`` (count), ``input_bytes`` (from the
-    post-compilation analysis; GB with six decimals, so about 1 KB apart),
-    ``frames`` ([(function, file, line)], innermost first).
-    """
-    compilations: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None
-    expecting_cause = in_frames = False
-    for raw in text.splitlines():
-        if raw.startswith("Post Compilation Analysis: "):
-            size = _GB.search(raw)
-            if size and compilations and compilations[-1].get("input_bytes") is None:
-                compilations[-1]["input_bytes"] = int(float(size.group(1)) * (1 << 30))
-            continue
-        prefix, _, body = raw.partition("Compilation Analysis: ")
-        if not _ or prefix:  # not ours, or the "Unexpected Execution" kind
-            continue
-        content = body.strip()
-        if content.startswith("=") or content.startswith("-"):
-            in_frames = False
-            continue
-        if content == "Compilation Cause":
-            current = {"cause": "", "hash": "", "inputs": None, "input_bytes": None, "frames": []}
-            compilations.append(current)
-            expecting_cause, in_frames = True, False
-        elif current is None:
-            continue
-        elif expecting_cause:
-            current["cause"], expecting_cause = content, False
-        elif content.startswith("Graph Hash:"):
-            current["hash"] = content.partition(":")[2].strip()
-        elif content.startswith("Number of Graph Inputs:"):
-            current["inputs"] = int(content.partition(":")[2])
-        elif content.startswith("Python Frame Triggered Execution"):
-            in_frames = True
-        elif in_frames:
-            frame = _FRAME.match(body)
-            if frame:
-                current["frames"].append((frame["function"], frame["file"], int(frame["line"])))
-    return compilations
+SHAPES_KEPT = 16  # tensors named per compilation (the cell's scope can hold many)
+# XLA's short names of dtypes, as an HLO text writes them
+_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "s64", "int32": "s32",
+           "int16": "s16", "int8": "s8", "uint8": "u8", "bool": "pred", "complex64": "c64", "complex128": "c128"}
 
 
 # --- reading the counters --------------------------------------------------------------
@@ -203,9 +84,15 @@ ACTIVITY = ("UncachedCompile", "CachedCompile", "ExecuteComputation", "ExecuteRe
             "xla::_to_copy", "xla::_to_cpu")
 
 
-def read_activity() -> tuple[int, ...]:
-    value = _xlac()._xla_counter_value
-    return tuple(value(name) or 0 for name in ACTIVITY)
+_counter_value: Any = None  # torch_xla._XLAC._xla_counter_value, once bound
+
+
+def read_activity() -> tuple[int | None, ...]:
+    """ACTIVITY's counters (None for one torch_xla has not made yet): a few microseconds, twice a cell."""
+    global _counter_value
+    if _counter_value is None:
+        _counter_value = _xlac()._xla_counter_value
+    return tuple(map(_counter_value, ACTIVITY))
 
 
 def read_counters() -> dict[str, int]:
@@ -266,22 +153,58 @@ class Reading:
 _current: "Span | None" = None  # the process's open span, while any rank thread is in a cell
 
 
-def _note_sync(depth: int = 2) -> None:
-    span = _current
-    if span is None:
-        return
+def _cell_frame(span: "Span", depth: int) -> Any:
+    """The innermost frame, within SYNC_FRAMES of ``depth``, that runs one of the cells' code; None if none does."""
     try:
-        frame: Any = sys._getframe(depth)
+        frame: Any = sys._getframe(depth + 1)
     except ValueError:  # called from the top of a thread's stack
-        return
+        return None
     for _ in range(SYNC_FRAMES):
-        if frame is None:
-            return
-        if frame.f_code.co_filename in span.cells:
-            key = (frame.f_code.co_filename, frame.f_lineno)
-            span.sync_lines[key] = span.sync_lines.get(key, 0) + 1
-            return
+        if frame is None or frame.f_code.co_filename in span.cells:
+            return frame
         frame = frame.f_back
+    return None
+
+
+def _uncached_compiles() -> int:
+    return _xlac()._xla_counter_value("UncachedCompile") or 0
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    """A tensor's type as an HLO text writes it: f32[8,16]."""
+    dtype = str(tensor.dtype).rpartition(".")[2]
+    return f"{_DTYPES.get(dtype, dtype)}[{','.join(str(size) for size in tensor.shape)}]"
+
+
+def _scope_shapes(frame: Any) -> dict[str, str]:
+    """The XLA tensors the cell's frame names, by name, with their shapes (metadata only: nothing syncs)."""
+    shapes: dict[str, str] = {}
+    for name, value in list(frame.f_locals.items()):
+        if isinstance(value, torch.Tensor) and not name.startswith("_") and value.device.type == "xla":
+            shapes[name] = _shape(value)
+            if len(shapes) == SHAPES_KEPT:
+                break
+    return shapes
+
+
+def _synced(original: Any, transfer: bool, *args: Any, **kwargs: Any) -> Any:
+    """``original(*args, **kwargs)``, called by a hook from user code: a sync. Its cell line is noted (a
+    device-to-host ``transfer``'s, counted) and, when it compiled, the shapes of the tensors the cell's
+    frame names (read after the compile: a step that compiles nothing pays two counter reads)."""
+    span = _current
+    frame = _cell_frame(span, 2) if span is not None else None
+    if frame is None:
+        return original(*args, **kwargs)
+    key = (frame.f_code.co_filename, frame.f_lineno)
+    if transfer:
+        span.sync_lines[key] = span.sync_lines.get(key, 0) + 1
+    before = _uncached_compiles()
+    try:
+        return original(*args, **kwargs)
+    finally:
+        compiled = _uncached_compiles() - before
+        if compiled > 0:
+            span.shapes.append((key, compiled, _scope_shapes(frame)))
 
 
 def _item(self: torch.Tensor) -> Any:
@@ -290,7 +213,7 @@ def _item(self: torch.Tensor) -> Any:
     if torch.compiler.is_compiling():
         return super(torch.Tensor, self).item()
     if _current is not None and self.device.type == "xla":
-        _note_sync()
+        return _synced(_TensorBase_item, True, self)
     return _TensorBase_item(self)
 
 
@@ -298,17 +221,32 @@ def _tolist(self: torch.Tensor) -> Any:
     if torch.compiler.is_compiling():
         return super(torch.Tensor, self).tolist()
     if _current is not None and self.device.type == "xla":
-        _note_sync()
+        return _synced(_TensorBase_tolist, True, self)
     return _TensorBase_tolist(self)
+
+
+def _sync_hook(original: Any) -> Any:
+    def sync(*args: Any, **kwargs: Any) -> Any:
+        if _current is None:
+            return original(*args, **kwargs)
+        return _synced(original, False, *args, **kwargs)
+
+    sync.__name__ = sync.__qualname__ = original.__name__
+    sync.__doc__ = original.__doc__
+    sync.__wrapped__ = original  # type: ignore[attr-defined]
+    return sync
 
 
 _TensorBase_item = torch._C.TensorBase.item
 _TensorBase_tolist = torch._C.TensorBase.tolist
 _hooked = False
+_sync_hooked = False
 
 
 def _hook_syncs() -> None:
-    global _hooked
+    """``.item()``/``.tolist()`` of XLA tensors, and ``torch_xla.sync`` (``xm.mark_step`` calls it) once torch_xla
+    is imported, note their cell line and the shapes of what compiled (torch.compile sees the original methods)."""
+    global _hooked, _sync_hooked
     if not _hooked:
         _hooked = True
         for name, hook in (("item", _item), ("tolist", _tolist)):
@@ -318,6 +256,13 @@ def _hook_syncs() -> None:
             hook.__name__ = hook.__qualname__ = name
             hook.__doc__ = original.__doc__
             setattr(torch.Tensor, name, hook)
+    if not _sync_hooked and "torch_xla.torch_xla" in sys.modules:
+        _sync_hooked = True
+        package, module = sys.modules["torch_xla"], sys.modules["torch_xla.torch_xla"]
+        original = getattr(module, "sync", None)
+        if original is not None and getattr(package, "sync", None) is original:
+            hooked = _sync_hook(original)
+            module.sync = package.sync = hooked  # torch_xla.step() and xm.mark_step() look it up there
 
 
 # --- one span: what XLA did while rank threads of this process were in a cell ---------------
@@ -334,7 +279,8 @@ class Span:
         self.ranks: list[int] = []
         self.run: Any = None  # the kernel's run id of the cell
         self.active = 0
-        self.sync_lines: dict[tuple[str, int], int] = {}
+        self.sync_lines: dict[tuple[str, int], int] = {}  # .item() and .tolist() calls, by cell line
+        self.shapes: list[tuple[tuple[str, int], int, dict[str, str]]] = []  # syncs that compiled: line, how many, shapes
         self.start = Reading.now(last)
         self.end: Reading | None = None
 
@@ -389,11 +335,15 @@ class Span:
         seconds = _compile_samples(self.start.wall)
         if len(seconds) != len(blocks):
             seconds = [None] * len(blocks)
+        shapes: dict[tuple[str, int], list[dict[str, str]]] = {}  # what the syncs that compiled saw, by line
+        for key, count, named in self.shapes:
+            shapes.setdefault(key, []).extend([named] * count)
         compilations = []
         for block, duration in zip(blocks, seconds):
             frames = block["frames"]
             at = next((i for i, (_fn, file, _line) in enumerate(frames) if file in self.cells), None)
             where = frames[at][1:] if at is not None else None
+            seen_there = shapes.get(where) if where else None
             code = _code(*where) if where else ""
             # The calls between the cell's line and the compile (a library's own sync points):
             # one cell line may compile several kinds of graph, each on its own path.
@@ -403,6 +353,8 @@ class Span:
                 "hash": block["hash"],
                 "inputs": block["inputs"],
                 "input_bytes": block["input_bytes"],
+                "memory": block["memory"],
+                "shapes": seen_there.pop(0) if seen_there else None,
                 "seconds": duration,
                 "cell": where[0] if where else None,
                 "line": where[1] if where else None,
@@ -418,7 +370,7 @@ class Span:
         for entry in compilations:
             if entry["code"]:
                 self.seen[(entry["code"], entry["path"])] = {"run": self.run, **{key: entry[key] for key in
-                                                                 ("cell", "line", "hash", "inputs", "input_bytes")}}
+                                                                 ("cell", "line", "hash", "inputs", "input_bytes", "shapes")}}
         return compilations
 
 
@@ -467,6 +419,8 @@ class Accountant:
 
     def begin(self, rank: int, filename: str, run: Any = None) -> None:
         global _current
+        if not _sync_hooked:
+            _hook_syncs()
         with self.lock:
             self.cells.add(filename)
             if self.span is None:
