@@ -57,7 +57,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids: Iterable[int], within: float = 30.0) -> list[int]:
+def wait_gone(pids: Iterable[int], within: float = 60.0) -> list[int]:
     """Wait until every one of ``pids`` has ended; those still alive then (``[]`` when all went)."""
     pids = list(pids)
     wait_for(lambda: not any(alive(pid) for pid in pids), within, every=0.05)

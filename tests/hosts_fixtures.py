@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
@@ -44,6 +45,16 @@ def make_hosts(tag: int, count: int = 2) -> SimulatedHosts:
     hosts = SimulatedHosts(name=f"x{os.getpid() % 100:02d}{tag}", subnet=100 + (os.getpid() + tag) % 150)
     hosts.up(count)
     return hosts
+
+
+@pytest.fixture(scope="module")
+def hosts(request) -> Iterator[SimulatedHosts]:
+    """Two simulated hosts for the module, named by its HOSTS_TAG (apart from other modules' and runs')."""
+    simulated = make_hosts(request.module.HOSTS_TAG)
+    try:
+        yield simulated
+    finally:
+        simulated.down()
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,6 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout, sync_playwright
 
 REPO = Path(__file__).resolve().parent.parent
-IMAGES = REPO / "docs" / "images"
 CHROMIUM = os.environ.get("XLA_MAGIC_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -290,15 +289,6 @@ def evidence(page, server, name: str):
         page.screenshot(path=str(path))
         print(f"page at failure: {path}\n{server.front_end.name} log:\n{server.log_tail()}")
         raise
-
-
-@pytest.fixture(scope="module")
-def images(request, tmp_path_factory) -> Path:
-    """Where the screenshots go: docs/images/ when asked (--update-images), else a temporary folder."""
-    if request.config.getoption("--update-images") or os.environ.get("XLA_MAGIC_UPDATE_IMAGES") == "1":
-        IMAGES.mkdir(parents=True, exist_ok=True)
-        return IMAGES
-    return tmp_path_factory.mktemp("images")
 
 
 def cell(page, index: int):

@@ -11,22 +11,16 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, launch_template, make_hosts,
+from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, launch_template,
                                   wait_until_empty)
-from tests.hosts_fixtures import pool, pool_of_the_module  # noqa: F401 (fixtures)
+from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
 from helpers import interrupt_once_shown, pool_magic, shown, wait_for, when
 from xla_magic.display import RankError, RunInterrupted
 
 WORLD = 2 * RANKS_PER_HOST
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    simulated = make_hosts(1)
-    try:
-        yield simulated
-    finally:
-        simulated.down()
+HOSTS_TAG = 1  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
 
 
 @pytest.fixture

@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST, make_hosts
-from tests.hosts_fixtures import pool, pool_of_the_module  # noqa: F401 (fixtures)
+from tests.hosts_fixtures import RANKS_PER_HOST
+from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
 
 WORLD = 2 * RANKS_PER_HOST
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    simulated = make_hosts(3)
-    try:
-        yield simulated
-    finally:
-        simulated.down()
+HOSTS_TAG = 3  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
 
 
 def cell(ip, source: str, line: str = "") -> tuple[Any, str, str]:

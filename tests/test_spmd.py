@@ -19,6 +19,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from conftest import kernel_is_xla_free
+from helpers import FSDP_STEPS, FSDP_WRAP
 from xla_magic import sharding
 
 DEVICES = 8
@@ -270,21 +271,7 @@ torch.manual_seed(0)
 inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
 module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
 reference = copy.deepcopy(module)
-
-model = FSDPv2(module, mesh=mesh)  # the docs pass it positionally; 2.9 takes it by keyword only
-optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-x, y = inputs.to(device), targets.to(device)
-xs.mark_sharding(x, mesh, ("fsdp", None))
-xs.mark_sharding(y, mesh, ("fsdp", None))
-losses = []
-for step in range(STEPS):
-    optimizer.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    torch_xla.sync()
-    losses.append(loss.item())
-
+""" + FSDP_WRAP + FSDP_STEPS + """
 expected_losses = []
 reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
 for step in range(STEPS):

@@ -22,7 +22,8 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 from conftest import BACKING, kernel_is_xla_free
-from helpers import execute, interrupt_once_written, notebook, pool_magic, stream, strip_ansi, text_of
+from helpers import (FSDP_STEPS, FSDP_WRAP, execute, interrupt_once_written, notebook, pool_magic, stream, strip_ansi,
+                     text_of)
 from xla_magic import sharding, transport
 from xla_magic.display import RankError, RunInterrupted
 
@@ -200,25 +201,10 @@ from torch import nn
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
 module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-module.load_state_dict(initial)
-model = FSDPv2(module, mesh=mesh)
-optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-x, y = inputs.to(device), targets.to(device)
-xs.mark_sharding(x, mesh, ("fsdp", None))
-xs.mark_sharding(y, mesh, ("fsdp", None));
-"""
+module.load_state_dict(initial)""" + FSDP_WRAP.rstrip("\n") + ";\n"  # the cell shows nothing
 
 FSDP_TRAIN = """
-before = (met.metric_data("CompileTime") or (0,))[0]
-losses = []
-for step in range(STEPS):
-    optimizer.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    torch_xla.sync()
-    losses.append(loss.item())
-params = list(model.parameters())
+before = (met.metric_data("CompileTime") or (0,))[0]""" + FSDP_STEPS + """params = list(model.parameters())
 (losses, (met.metric_data("CompileTime") or (0,))[0] - before)
 """
 
