@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -269,7 +270,9 @@ def test_a_killed_kernel_s_directory_is_removed_by_the_next_session():
         "print(session.workdir.new('logs-1-'), flush=True)\n"
         "import time; time.sleep(60)\n"
     )
-    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # The same temporary folder as this process's (conftest.py gives the tests one of their own).
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": tempfile.gettempdir()})
     try:
         logs = kernel.stdout.readline().strip()
     finally:
