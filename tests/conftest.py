@@ -136,6 +136,14 @@ def _command(pid: int) -> str:
         return "(gone)"
 
 
+def _under_one_of(pid: int, others: set[int]) -> bool:
+    """``pid`` descends from one of ``others`` (a process a fixture of a wider scope started, say)."""
+    try:
+        return any(parent.pid in others for parent in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _session_processes(session) -> set[int]:
     """The session's own launcher and what runs under it (kept across tests by design; the pool is checked apart)."""
     launcher = getattr(session, "launcher", None)
@@ -181,7 +189,8 @@ def nothing_left(request):
             leaks.append(f"listeners it removed that it did not add (the status panel's?): {removed}")
         if before["pool"] is None and after["pool"] is not None:  # a restart of a module's pool is no new pool
             leaks.append(f"a pool it started ({after['pool'].state}); stop it in a finally")
-    new = after["children"] - before["children"] - _session_processes(session)
+    new = {pid for pid in after["children"] - before["children"] - _session_processes(session)
+           if not _under_one_of(pid, before["children"])}  # a module's server starting its kernel, say
     if session is not None and session.current_hosts() is not None:
         new = set()  # a pool across hosts (its module keeps one) owns processes of many kinds: not told apart here
     if new:

@@ -407,7 +407,7 @@ def check_interrupt_button(page) -> None:
         page.keyboard.press("i")  # the front end's "interrupt the kernel"
     output = cell(page, 3).locator(FRONT_END.output)
     output.get_by_text("RunInterrupted").wait_for()
-    page.locator(".xla-status-panel .xla-run[data-outcome='interrupted']").wait_for()
+    panel.locator(".xla-run[data-outcome='interrupted']").wait_for()
     assert panel_rows(page, "killed").count() == 2
     assert button.is_disabled()
     page.wait_for_selector(FRONT_END.idle)  # the kernel is free again
