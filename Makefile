@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # `make test STACKS=kaggle` runs one stack (scripts/stacks/).
 STACKS ?= current colab kaggle
 
-.PHONY: setup demo test bench docs
+.PHONY: setup demo test bench docs notebooks dist
 setup:
 	@scripts/setup-venv --stack current "$(VENV)"
 
@@ -24,3 +24,12 @@ bench: setup
 # stale generated page fails. Into build/site (git-ignored); `mkdocs serve` to browse.
 docs:
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
+
+# Each notebook written from its jupytext script (notebooks/*.py), the quickstart run to keep its outputs.
+notebooks: setup
+	$(PY) notebooks/sync.py
+
+# The release's files, as PyPI would take them: dist/xla_magic-VERSION.tar.gz and the wheel built from it.
+dist: setup
+	$(PY) -m build -o dist .
+	$(PY) -m twine check --strict dist/*

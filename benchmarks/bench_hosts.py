@@ -11,6 +11,13 @@ the kernel: one real IPython shell with the extension loaded.
   launcher's ranks, and back. The baseline runs ``%%px --block a = 1`` on the
   very engines of that pool (kernel -> controller -> engine and back), in
   the same run. Target: ours at most 1.5x theirs.
+- Kernel death: from SIGKILL of a kernel (tests/hosts_kernel.py, its own
+  process) whose pool of 2 hosts x 2 ranks is idle, to nothing left on any
+  host. Ours: the engines see their controller go (it ends with the kernel)
+  and end their hosts. The baseline, in the same run: the fallback (and the
+  only way before), ipyparallel's heartbeats, timed by freezing the
+  controller (SIGSTOP: its connections stay open, its heartbeats stop) before
+  the kernel is killed. Target: ours within 5 s.
 """
 
 from __future__ import annotations
@@ -65,6 +72,34 @@ def measure(shell: Any, hosts: Any) -> dict[str, float]:
     return {"ours": ours, "theirs": theirs}
 
 
+def kernel_death(hosts: Any, freeze_controller: bool) -> float:
+    """Seconds from SIGKILL of a kernel with an idle pool on ``hosts`` to nothing left on any host."""
+    import signal
+
+    from tests.hosts_fixtures import group_members, kernel_ready, start_kernel, wait_until_empty
+
+    kernel = start_kernel(hosts)
+    controller = None
+    try:
+        controller, _ = kernel_ready(kernel)
+        if freeze_controller:
+            os.killpg(controller, signal.SIGSTOP)  # the controller and its heart monitor
+        started = time.perf_counter()
+        kernel.kill()
+        kernel.wait()
+        left = wait_until_empty(hosts, within=120)
+        elapsed = time.perf_counter() - started
+        if left:
+            raise RuntimeError(f"processes left on the hosts after {elapsed:.0f} s: {left}")
+        return elapsed
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
+        if controller is not None and group_members(controller):
+            os.killpg(controller, signal.SIGKILL)
+
+
 def main() -> list[Row]:
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -82,6 +117,8 @@ def main() -> list[Row]:
         if getattr(shell, "_xla_magic_session", None) is None:
             shell.run_line_magic("load_ext", "xla_magic")
         figures = measure(shell, hosts)
+        figures["death"] = kernel_death(hosts, freeze_controller=False)
+        figures["death_heartbeats"] = kernel_death(hosts, freeze_controller=True)
     finally:
         hosts.down()
     return [(
@@ -90,9 +127,15 @@ def main() -> list[Row]:
         figures["theirs"] * 1000,
         "ms",
         "vs %%px --block on the same 2 engines (simulated hosts: network namespaces); target <= 1.5x",
+    ), (
+        "kernel SIGKILL -> nothing left on 2 hosts x 2 ranks (idle pool)",
+        figures["death"],
+        figures["death_heartbeats"],
+        "s",
+        "engines see their controller go, vs ipyparallel's heartbeats (controller frozen); target <= 5 s",
     )]
 
 
 if __name__ == "__main__":
     for name, ours, base, unit, note in main():
-        print(f"{name}: ours {ours:.2f} {unit}, %%px --block {base:.2f} {unit}, ratio {ours / base:.2f} ({note})")
+        print(f"{name}: ours {ours:.2f} {unit}, baseline {base:.2f} {unit}, ratio {ours / base:.2f} ({note})")

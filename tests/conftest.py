@@ -107,6 +107,18 @@ def spawn(ip):
 
 
 @pytest.fixture
+def pool(ip):
+    """A 2-rank pool on the cpu backend in the shared shell, stopped afterwards (a module may have its own)."""
+    with capture_output():
+        ip.run_line_magic("xla_pool", "start --devices 2 --backend cpu")
+    try:
+        yield ip._xla_magic_session.pool
+    finally:
+        with capture_output():
+            ip.run_line_magic("xla_pool", "stop")
+
+
+@pytest.fixture
 def images(request, tmp_path_factory):
     """Where a browser test's screenshots go: docs/images/ when asked (--update-images or
     XLA_MAGIC_UPDATE_IMAGES=1), else a temporary folder, so a test run rewrites no tracked file."""

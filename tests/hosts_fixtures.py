@@ -136,3 +136,30 @@ def controllers_on(address: str) -> list[int]:
             if b"xla_magic.hosts.controller" in words and f"--ip={address}".encode() in words and state != "Z":
                 found.append(int(entry))
     return found
+
+
+def start_kernel(hosts: SimulatedHosts, busy: bool = False) -> subprocess.Popen:
+    """tests/hosts_kernel.py, a stand-in kernel that starts a pool on ``hosts``, as a process of its own;
+    ``busy``: it then runs a cell that spins on every rank."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.Popen(
+        [sys.executable, os.path.join(here, "hosts_kernel.py"), start_line(hosts), *(["BUSY"] if busy else [])],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(here),
+                                                                        os.environ.get("PYTHONPATH")]))},
+    )
+
+
+def kernel_ready(kernel: subprocess.Popen, busy: bool = False) -> tuple[int, str]:
+    """Wait until the stand-in kernel's pool is ready (and, ``busy``, every rank spins): its controller's
+    pid and the cluster's directory."""
+    said: dict[str, str] = {}
+    spinning = 0
+    assert kernel.stdout is not None
+    for line in kernel.stdout:
+        word, _, rest = line.partition(" ")
+        said[word] = said.get(word, "") + rest
+        spinning += line.rstrip().endswith("] spinning")  # a rank's tagged line
+        if "PROFILE" in said and (not busy or spinning == 2 * RANKS_PER_HOST):
+            return int(said["READY"]), said["PROFILE"].strip()
+    raise AssertionError(f"the kernel did not start its pool (exit {kernel.poll()}): {said}")

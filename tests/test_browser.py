@@ -41,6 +41,8 @@ import nbformat
 import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout, sync_playwright
 
+from helpers import PROFILED
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("XLA_MAGIC_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -147,6 +149,9 @@ if rank == 0:
     plt.show()
 display(HTML(f"<b>rank {rank}</b> is done"))"""
 
+# --profile: the timeline under the cell, one lane per rank (docs/profiling.md's picture).
+PROFILE_CELL = "%%xla_spawn --devices 2 --profile" + PROFILED.rstrip("\n")
+
 CELLS = [
     "%load_ext xla_magic",
     "%%xla_spawn --devices 8\nimport torch\nx = torch.ones(2, device=device) * rank\n"
@@ -166,6 +171,7 @@ CELLS = [
     "%xla_report",
     # A rank's plot and display(), as a notebook shows them.
     PLOT_CELL,
+    PROFILE_CELL,
 ]
 
 
@@ -479,3 +485,23 @@ def check_rank_plot(page, images: Path) -> None:
         assert output.locator("b", has_text=f"rank {rank}").count() == 1  # display(HTML(...)), rendered
     if FRONT_END is LAB:  # the docs' picture
         cell(page, index).screenshot(path=str(images / "rank_plot.png"))
+
+
+def test_a_profiled_cell_shows_its_timeline(page, server, images):
+    with evidence(page, server, "profile"):
+        check_profile(page, images)
+
+
+def check_profile(page, images: Path) -> None:
+    index = CELLS.index(PROFILE_CELL)
+    first_run(page, 0)
+    run_and_wait(page, index)
+    picture = cell(page, index).locator(f"{FRONT_END.output} .xla-profile")
+    picture.locator("svg.xla-timeline").wait_for()
+    svg = picture.locator("svg.xla-timeline")
+    assert svg.locator("text", has_text="rank 0").count() == 1 and svg.locator("text", has_text="rank 1").count() == 1
+    assert svg.locator("rect.xla-compile").count() == 6  # three graphs on each rank
+    assert svg.locator("rect.xla-annotation").count() == 6  # xp.Trace("forward"), three steps on each rank
+    assert svg.evaluate("element => element.getBoundingClientRect().width") > 300
+    if FRONT_END is LAB:  # docs/profiling.md's picture
+        picture.screenshot(path=str(images / "profile_timeline.png"))

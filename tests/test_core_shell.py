@@ -6,9 +6,11 @@ import re
 
 import pytest
 from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
-from xla_magic.display import RankError
+from helpers import cell_name_aside, strip_ansi
+from xla_magic.display import CellSyntaxError, RankError
 
 HELLO = """
 import torch
@@ -68,9 +70,25 @@ def test_names_read_in_nested_scopes_are_shipped(ip, spawn):
 def test_syntax_error_launches_nothing(ip, spawn):
     session = ip._xla_magic_session
     before = len(session.history)
-    with pytest.raises(SyntaxError):
+    with pytest.raises(CellSyntaxError) as info:
         spawn("--devices 2", "x = (1,\nprint(x")
+    assert isinstance(info.value.error, SyntaxError) and info.value.__cause__ is info.value.error
     assert len(session.history) == before
+
+
+def test_a_syntax_error_shows_as_in_a_plain_cell(ip):
+    """The cell's line, the caret and the message: none of the frames that reached the magic."""
+    def shown(cell: str) -> str:
+        with capture_output() as captured:
+            ip.run_cell(cell)
+        return cell_name_aside(strip_ansi(captured.stdout + captured.stderr))
+
+    body = "x = 1\ny = (2 +\nz = 3"
+    spawned = shown("%%xla_spawn --devices 2\n" + body)
+    plain = shown("pass\n" + body)  # the same line of its cell
+    assert spawned == plain
+    assert "line 3" in plain and "y = (2 +" in plain and "^" in plain and "SyntaxError" in plain
+    assert "Traceback" not in spawned and "magics.py" not in spawned
 
 
 def test_unpicklable_variable_is_named_before_launch(ip, spawn):

@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -23,6 +24,11 @@ WORLD = 2 * RANKS_PER_HOST
 
 
 HOSTS_TAG = 3  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
+
+
+def hosts_pool(ip):
+    """The kernel's pool across hosts (its cluster: the controller's connection files)."""
+    return ip._xla_magic_session.hosts
 
 
 def cell(ip, source: str, line: str = "") -> tuple[Any, str, str]:
@@ -188,7 +194,7 @@ def test_every_line_of_every_rank_reaches_the_kernel_in_order_and_the_fold_names
         notice = next(line for line in lines if line.startswith(tag + "... more stdout"))
         path = notice.rpartition(" goes to ")[2]
         assert os.path.basename(path) == f"h{r // RANKS_PER_HOST}r{r}.stdout.log"
-        assert path.startswith(ip._xla_magic_session.workdir.path)  # the kernel's, which the notebook opens
+        assert path.startswith(tempfile.gettempdir())  # the kernel's own /tmp (no host's), which the notebook opens
         assert f"(complete log: {path})" in lines
         with open(path) as log:
             assert log.read().splitlines() == [f"line {i} of {r}" for i in range(LINES)]
@@ -206,7 +212,6 @@ def kernel_place():
     module; the kernel's directory, sys.path and environment put back afterwards."""
     import shutil
     import sys
-    import tempfile
 
     shared = tempfile.mkdtemp(prefix="xla_magic-place-", dir=os.path.expanduser("~"))
     os.makedirs(os.path.join(shared, "other"))
@@ -258,6 +263,7 @@ def test_a_directory_the_hosts_lack_is_an_error_naming_each_host(ip, pool, hosts
     finally:
         os.rmdir(only_here)
     shown = "\n".join(raised.value.render_lines())
+    assert all(f"h{r // RANKS_PER_HOST} r{r}" in shown for r in range(WORLD))  # every rank, by its host
     for index in range(2):
         assert f"h{index}" in raised.value.summary
         assert f"{only_here} cannot be used here (on {hosts.hostname(index)})" in shown

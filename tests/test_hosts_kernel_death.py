@@ -1,43 +1,46 @@
-"""When the kernel dies (SIGKILL: nothing of it can tidy up), every host's engine, launcher and ranks end,
-and so does the controller. 2 simulated hosts x 2 ranks, a real kernel process."""
+"""When the kernel dies (SIGKILL: nothing of it can tidy up) in the middle of a cell, every host's engine,
+launcher and ranks end, and so does the controller; the engines end because they saw their controller go,
+not after missing its heartbeats (benchmarks/bench_hosts.py times both). 2 simulated hosts x 2 ranks, a real
+kernel process."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
-import subprocess
-import sys
 import time
 
-from tests.hosts_fixtures import group_members, make_hosts, start_line, wait_until_empty
+from tests.hosts_fixtures import group_members, kernel_ready, make_hosts, start_kernel, wait_until_empty
+from xla_magic.hosts.engine import GONE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def test_kernel_death_ends_every_host_s_engine_and_ranks_and_the_controller():
+def test_kernel_death_mid_cell_ends_every_host_s_engine_and_ranks_and_the_controller():
     hosts = make_hosts(2)
     kernel = None
     try:
-        kernel = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "hosts_kernel.py"), start_line(hosts)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(HERE),
-                                                                            os.environ.get("PYTHONPATH")]))},
-        )
-        ready = ""
-        for line in kernel.stdout:
-            if line.startswith("READY"):
-                ready = line
-                break
-        assert ready, f"the kernel did not start its pool (exit {kernel.poll()})"
-        controller = int(ready.split()[1])
+        kernel = start_kernel(hosts, busy=True)
+        controller, profile = kernel_ready(kernel, busy=True)
         assert all(hosts.processes(address) for address in hosts.addresses())  # engines and ranks run
+        # Open now: once the kernel is dead, the next session on this machine removes its directory.
+        logs = [open(os.path.join(profile, "log", f"engine-{index}-{address}.log"))
+                for index, address in enumerate(hosts.addresses())]
         kernel.send_signal(signal.SIGKILL)
         kernel.wait()
-        # The controller ends at once (it watches the kernel); the engines after missed heartbeats.
-        assert wait_until_empty(hosts, within=90) == {}
+        # The controller ends at once (it watches the kernel); the engines as soon as they see it go.
+        left = wait_until_empty(hosts, within=90)
+        said = []
+        for log in logs:
+            with log:
+                said.append(log.read())
+        assert left == {}, said
         assert not _alive(controller)
         assert group_members(controller) == []  # its heart monitor too, which would keep engines alive
+        for text in said:
+            assert GONE in text, text  # the engine's own watch ended it, not missed heartbeats
+        for host in hosts.hosts():  # and it removed what the host's session and ranks kept in /tmp and /dev/shm
+            root = f"/proc/{host['pid']}/root"
+            kept = [path for top in ("tmp", "dev/shm") for path in glob.glob(f"{root}/{top}/xla_magic*")]
+            assert kept == [], kept
     finally:
         if kernel is not None and kernel.poll() is None:
             kernel.kill()

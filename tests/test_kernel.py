@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from helpers import Kernel, execute, notebook, stream, text_of, wait_gone
+from helpers import Kernel, execute, notebook, shown_error, stream, text_of, wait_gone
 
 
 def test_notebook_runs_cells_on_ranks_end_to_end():
@@ -36,6 +36,7 @@ def test_notebook_runs_cells_on_ranks_end_to_end():
         "%%xla_spawn --devices 2\nif rank == 1:\n    raise ValueError('rank one is unhappy')\nrank",
         "import sys\n('torch_xla' in sys.modules, '_XLAC' in sys.modules)",
         "%%xla_spawn --devices 2\nrank * 10",
+        "pass\nx = (1,\n",  # cell 4's syntax error in a plain cell, on the same line of its cell
     ))
     cells = nb.cells
     spawned = cells[2]
@@ -46,6 +47,8 @@ def test_notebook_runs_cells_on_ranks_end_to_end():
     assert "[(0, 0, 0, 0.0), (2, 3, 1, 3.0)]" in text_of(spawned)
     assert "[(0, 0, 0, 0.0), (2, 3, 1, 3.0)]" in text_of(cells[3])
     assert "SyntaxError" in text_of(cells[4]) and "[rank" not in text_of(cells[4])
+    assert shown_error(cells[4]) == shown_error(cells[10])  # as the kernel shows a plain cell's: line, caret, message
+    assert "line 2" in shown_error(cells[4]) and "Traceback" not in shown_error(cells[4])
     assert "UsageError" in text_of(cells[6]) and "'lock' (_thread.lock)" in text_of(cells[6])
     failed = text_of(cells[7])
     assert "RankError" in failed and "[rank 1]" in failed

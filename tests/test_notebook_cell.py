@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from xla_magic import place
-from xla_magic.display import RankError
+from xla_magic.display import CellSyntaxError, RankError
 
 PLACEMENTS = {
     "cpu": "--devices 2",
@@ -191,9 +191,9 @@ def test_magics_that_do_not_belong_in_ranks_are_refused_before_launch(ip, cell, 
 def test_a_syntax_error_among_magics_is_refused_with_the_cells_line(ip):
     session = ip._xla_magic_session
     before = len(session.history)
-    with pytest.raises(SyntaxError) as info:
+    with pytest.raises(CellSyntaxError) as info:
         ip.run_cell_magic("xla_spawn", "--devices 2", "%time y = 1\nx = (1,\nprint(x")
-    assert info.value.filename.startswith("<xla_spawn cell")
+    assert info.value.error.filename.startswith("<xla_spawn cell")
     assert len(session.history) == before
 
 

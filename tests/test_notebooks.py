@@ -1,5 +1,7 @@
 """The notebooks, through real Jupyter kernels on the CPU simulation.
 
+Each committed ``.ipynb`` is what its jupytext source (``notebooks/NAME.py``)
+says, as notebooks/sync.py writes it; the quickstart is run from its source.
 The quickstart runs top to bottom and its outputs are checked. The Colab and
 Kaggle notebooks cannot reach a TPU here: every code cell must compile, and
 every cell that needs neither a TPU nor an install runs on the simulation,
@@ -13,22 +15,25 @@ import importlib.util
 import re
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.magic_arguments import parse_argstring
 
-from helpers import execute as run_notebook, strip_ansi
+from helpers import strip_ansi
 from xla_magic.magics import XlaMagics
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
+NAMES = ["quickstart", "colab_tpu", "kaggle_tpu"]  # notebooks/NAME.py is the source of notebooks/NAME.ipynb
 TPU_NOTEBOOKS = ["colab_tpu.ipynb", "kaggle_tpu.ipynb"]
 SKIPPED_OFF_TPU = {"install", "needs-tpu"}
 
 
-def load_builder():
-    spec = importlib.util.spec_from_file_location("build_notebooks", NOTEBOOKS / "build.py")
+def load_sync():
+    """notebooks/sync.py, which writes each notebook from its jupytext source and runs the quickstart."""
+    spec = importlib.util.spec_from_file_location("sync_notebooks", NOTEBOOKS / "sync.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,8 +50,8 @@ def tags(cell: nbformat.NotebookNode) -> set[str]:
 
 
 def execute(notebook: nbformat.NotebookNode, **env: str) -> nbformat.NotebookNode:
-    """Run every cell in a fresh kernel of this environment, in notebooks/."""
-    return run_notebook(notebook, path=str(NOTEBOOKS), timeout=300, allow_errors=False, **env)
+    """Run every cell in a fresh kernel of this environment, in notebooks/, as notebooks/sync.py does."""
+    return load_sync().execute(notebook, timeout=300, **env)
 
 
 def cell_with(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
@@ -72,15 +77,42 @@ def no_errors(notebook: nbformat.NotebookNode) -> None:
             assert not errors, f"cell failed: {cell.source[:80]!r}: {errors[0].ename}: {errors[0].evalue}"
 
 
-# --- the committed files are the builder's ---------------------------------------
+# --- each committed notebook is what its paired source says ----------------------
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", *TPU_NOTEBOOKS])
-def test_committed_notebook_is_what_build_writes(name):
-    built = load_builder().build(name)
-    committed = read(name)
-    shape = lambda nb: [(c.cell_type, c.source, sorted(tags(c))) for c in nb.cells]  # noqa: E731
-    assert shape(committed) == shape(built), f"notebooks/{name} is stale: run python notebooks/build.py"
+def shape(notebook: nbformat.NotebookNode) -> list[tuple[str, str, list[str]]]:
+    return [(cell.cell_type, cell.source, sorted(tags(cell))) for cell in notebook.cells]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_notebook_is_its_paired_source(name):
+    source = load_sync().from_source(name)  # jupytext's reading of notebooks/NAME.py
+    committed = jupytext.read(NOTEBOOKS / f"{name}.ipynb")
+    stale = f"notebooks/{name}.ipynb differs from notebooks/{name}.py: run python notebooks/sync.py"
+    assert shape(committed) == shape(source), stale
+    assert [cell.id for cell in read(f"{name}.ipynb").cells] == [cell.id for cell in source.cells], stale
+    for key in ("kernelspec", "accelerator"):
+        assert committed.metadata.get(key) == source.metadata.get(key), f"{stale} ({key})"
+    assert source.metadata["jupytext"]["formats"] == "ipynb,py:percent"  # paired, for jupytext --sync in Jupyter
+    assert (name != "quickstart") == (source.metadata.get("accelerator") == "TPU")
+
+
+def test_every_notebook_trains_with_the_same_cell():
+    """One training example in all three notebooks: only the magic line differs."""
+    def body(name: str) -> str:
+        (cell,) = [c for c in load_sync().from_source(name).cells if "xm.optimizer_step(optimizer)" in c.source]
+        return cell.source.split("\n", 1)[1]
+
+    assert body("quickstart") == body("colab_tpu") == body("kaggle_tpu")
+
+
+def test_the_committed_quickstart_keeps_its_outputs(quickstart):
+    committed = read("quickstart.ipynb")
+    ran = [bool(cell.outputs) for cell in quickstart.cells if cell.cell_type == "code"]
+    kept = [bool(cell.outputs) for cell in committed.cells if cell.cell_type == "code"]
+    assert len(kept) == len(ran) and all(k for k, r in zip(kept, ran) if r), (
+        "notebooks/quickstart.ipynb lost outputs: run python notebooks/sync.py")
+    assert "timing" not in str([cell.metadata for cell in committed.cells])  # written without execution times
 
 
 # --- quickstart: runs, and shows what it promises --------------------------------
@@ -88,11 +120,7 @@ def test_committed_notebook_is_what_build_writes(name):
 
 @pytest.fixture(scope="module")
 def quickstart():
-    notebook = read("quickstart.ipynb")
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []  # what the committed copy shows must not count
-    return execute(notebook)
+    return execute(load_sync().from_source("quickstart"))  # from its source: the committed outputs do not count
 
 
 def test_quickstart_says_hello_from_every_rank(quickstart):
@@ -152,7 +180,7 @@ def test_quickstart_lightning_trains_across_the_ranks(quickstart):
 
 
 def test_cells_that_need_a_missing_package_are_skipped_with_a_note():
-    needs = load_builder().NEEDS
+    (needs,) = [c.source for c in load_sync().from_source("quickstart").cells if "def needs(" in c.source]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
         "%load_ext xla_magic", needs,
         "%%needs no_such_package_here\n%%xla_spawn --devices 2\nimport no_such_package_here",

@@ -23,7 +23,7 @@ from conftest import BACKING, kernel_is_xla_free
 from helpers import (WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in, pool_magic,
                      press_stop, shown, wait_for, wait_gone, when)
 from xla_magic import transport
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
 from xla_magic.ranks import Ranks
 from xla_magic.request import Request
 
@@ -183,7 +183,7 @@ def test_syntax_errors_and_unpicklable_values_stop_before_the_ranks(ip, pool, sp
 
     session = ip._xla_magic_session
     last_run = session.history[-1]  # the pool's start, at least
-    with pytest.raises(SyntaxError):
+    with pytest.raises(CellSyntaxError):
         spawn("", "x = (1,\nprint(x")
     ip.user_ns["held_lock"] = threading.Lock()
     with pytest.raises(UsageError, match=r"'held_lock' \(_thread\.lock\)"):

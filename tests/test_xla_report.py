@@ -84,17 +84,6 @@ since(before)
 """
 
 
-@pytest.fixture
-def pool(ip):
-    with capture_output():
-        ip.run_line_magic("xla_pool", "start --devices 2 --backend cpu")
-    try:
-        yield ip._xla_magic_session.pool
-    finally:
-        with capture_output():
-            ip.run_line_magic("xla_pool", "stop")
-
-
 def test_item_every_step_is_syncs_at_their_line_and_nonzero_a_fallback(ip, pool, spawn):
     run = spawn("", ITEM_EVERY_STEP)
     item_line = line_of(ITEM_EVERY_STEP, "loss.item()")

@@ -14,7 +14,7 @@ from xla_magic.kernel_strategy import strategy
 __all__ = ["strategy", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
 
-_MAGIC_NAMES = {"cell": ("xla_spawn",), "line": ("xla_status", "xla_pool", "xla_report")}
+_MAGIC_NAMES = {"cell": ("xla_spawn",), "line": ("xla_status", "xla_pool", "xla_report", "xla_profile")}
 
 
 def load_ipython_extension(ipython: Any) -> None:

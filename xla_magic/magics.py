@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import argparse
 import keyword
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic import widget, xla_report
-from xla_magic.display import in_notebook
+from xla_magic import profile_view, widget, xla_report
+from xla_magic.display import in_notebook, syntax_error_in_cell
+from xla_magic.payload import transform
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
+from xla_magic.watch import HANG_AFTER
 
 
 def device_count(text: str) -> int:
@@ -39,6 +42,29 @@ def seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--timeout must be more than 0 seconds, not {text}")
     return value
+
+
+def hang_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hang-after takes seconds, like --hang-after 120, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--hang-after must be more than 0 seconds, not {text}; leave it out for "
+                                         f"the default ({HANG_AFTER:g} s)")
+    return value
+
+
+def hang_after_argument(function: Any) -> Any:
+    """--hang-after, shared by %%xla_spawn and %xla_pool."""
+    return argument(
+        "--hang-after", type=hang_seconds, default=None, metavar="SECONDS",
+        help=f"how long ranks may wait at different collectives (or all in one) with no progress before a line "
+        f"under the cell says they hang (default {HANG_AFTER:g} s: a collective takes milliseconds once every rank "
+        f"is in it, and ranks drift apart longer only when one compiles or evaluates alone; a compile, a device op "
+        f"or a sleep on every rank is never called a hang). A rank waiting in a collective that ranks which "
+        f"finished the cell never made is reported within seconds",
+    )(function)
 
 
 def spmd_arguments(function: Any) -> Any:
@@ -115,6 +141,12 @@ class XlaMagics(Magics):
     )
     @spmd_arguments
     @xla_report_argument
+    @hang_after_argument
+    @argument(
+        "--profile", action="store_true",
+        help="record the cell on every rank with torch_xla's profiler and show a timeline of where each rank's time "
+        "went (compiles, executions, transfers, your xp.Trace annotations); %%xla_profile shows it again",
+    )
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -149,10 +181,12 @@ class XlaMagics(Magics):
             results = self.session.run_cell(
                 cell, args.devices, args.backend, args.timeout, args.fresh,
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
-                spmd=spmd_options(args), xla_report=args.xla_report,
+                spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
+                hang_after=args.hang_after,
             )
-        except SyntaxError as exc:  # the cell's own mistake, found before anything ran: show it, not our frames
-            raise exc.with_traceback(None) from None
+        except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
+            shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())
+            raise shown from shown.error
         if args.out:
             self.shell.user_ns[args.out] = results
         # Like a cell ending in print(...): nothing worth showing.
@@ -178,6 +212,21 @@ class XlaMagics(Magics):
         if record is None:
             raise UsageError("no %%xla_spawn cell has run yet: run one, then %xla_report shows what XLA did in it")
         xla_report.show(xla_report.Report(record), text=args.text)
+
+    @magic_arguments()
+    @argument("--text", action="store_true", help="print the summary as text, even in a notebook")
+    @line_magic
+    def xla_profile(self, line: str) -> None:
+        """Show the last ``%%xla_spawn --profile`` cell's profile again: the timeline and its tables.
+
+        One lane per rank, drawn from each rank's trace (torch_xla's profiler),
+        with where the trace files are and how to open them in XProf or Perfetto.
+        """
+        args = parse_argstring(self.xla_profile, line)
+        record = self.session.last_profiled
+        if record is None:
+            raise UsageError("no %%xla_spawn --profile cell has run yet: run one, then %xla_profile shows it again")
+        profile_view.show(record, text=args.text)
 
     @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")
@@ -223,6 +272,7 @@ class XlaMagics(Magics):
     )
     @spmd_arguments
     @xla_report_argument
+    @hang_after_argument
     @line_magic
     def xla_pool(self, line: str) -> None:
         """Keep ranks alive between %%xla_spawn cells: a persistent pool.
@@ -268,10 +318,11 @@ class XlaMagics(Magics):
             self.session.start_hosts(old.hosts, old.template, args.devices or old.devices,
                                      args.backend or old.backend, spmd)
         elif args.action == "start":
-            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report)
+            self.session.start_pool(args.devices, args.backend, live_lines=live, spmd=spmd, xla_report=args.xla_report,
+                                    hang_after=args.hang_after)
         elif args.action == "restart":
             self.session.restart_pool(args.devices, args.backend, live_lines=live, spmd=spmd,
-                                      xla_report=args.xla_report)
+                                      xla_report=args.xla_report, hang_after=args.hang_after)
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
         elif args.action == "push":

@@ -53,6 +53,12 @@ DISPLAY = "display"
 # rank -> kernel, with a cell's reply: what XLA did during the cell (launcher/xla_account.py)
 # (none from a rank in which XLA did nothing during the cell)
 XLA = "xla"
+# kernel -> rank on the rank's stacks socket, and its answer back on it: where
+# the rank is (launcher/stacks.py), read by a thread of its own; ``probe``
+# names the question, so a late answer to an older one is told apart
+STACKS = "stacks"
+# rank -> kernel, with a cell's reply under --profile: where its process's trace files are (launcher/profiling.py)
+PROFILE = "profile"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"

@@ -75,8 +75,8 @@ class Conn:
     def __init__(self, sock: socket.socket, rank: int | None, kind: str) -> None:
         self.sock = sock
         self.rank = rank
-        self.kind = kind  # "events", "stdout", "stderr" or "supervisor"
-        self.reader = protocol.FrameReader() if kind in ("events", "supervisor") else None
+        self.kind = kind  # "events", "stdout", "stderr", "stacks" or "supervisor"
+        self.reader = protocol.FrameReader() if kind in ("events", "supervisor", "stacks") else None
         sock.setblocking(False)
 
     def receive(self) -> bytes | None:
@@ -120,6 +120,7 @@ class Ranks:
         self.supervisor: Conn | None = None
         self.events: list[Conn] = []
         self.outputs: list[Conn] = []
+        self.samplers: list[Conn] = []  # each rank's stacks socket (launcher/stacks.py): where it is, on request
         self.selector = selectors.DefaultSelector()  # every socket of the set, for its whole life
         self.supervisor_pid: int | None = None
         self.pids: dict[int, int] = {}  # rank -> its process (rank threads share one)
@@ -132,6 +133,7 @@ class Ranks:
         self.place: dict[str, Any] | None = None  # the kernel's directory and path, as the ranks last got them
         self.results = transport.RunSegments()  # where ranks put large results and pulled values
         self.store: str | None = None  # the gloo store's directory, for the set's life
+        self.hang_after: float | None = None  # a pool's --hang-after, for cells that give none (watch.py)
         self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
         self._seq = 0
 
@@ -179,10 +181,10 @@ class Ranks:
         self.selector.register(ours, selectors.EVENT_READ, self.supervisor)
         theirs.append(remote)
         for rank in range(self.size):
-            for kind in ("events", "stdout", "stderr"):
+            for kind in ("events", "stdout", "stderr", "stacks"):
                 ours, remote = socket.socketpair()
                 conn = Conn(ours, rank, kind)
-                (self.events if kind == "events" else self.outputs).append(conn)
+                {"events": self.events, "stacks": self.samplers}.get(kind, self.outputs).append(conn)
                 self.selector.register(ours, selectors.EVENT_READ, conn)
                 theirs.append(remote)
         return theirs
@@ -238,6 +240,21 @@ class Ranks:
             if 0 < sent < len(frame):
                 self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(exc).__name__})")
             raise
+
+    def ask_where(self, ranks: list[int], probe: int, everything: bool = False) -> list[int]:
+        """Ask ``ranks``' samplers where they are (their answers come on the same sockets); those asked."""
+        asked = []
+        frame = protocol.encode(protocol.STACKS, probe=probe, all=everything)
+        for rank in ranks:
+            sock = self.samplers[rank].sock if rank < len(self.samplers) else None
+            if sock is None or sock.fileno() < 0:
+                continue
+            try:
+                sock.send(frame)  # a few bytes: the socket's buffer takes them whole
+            except OSError:
+                continue
+            asked.append(rank)
+        return asked
 
     def interrupt(self, ranks: list[int]) -> None:
         """SIGINT to the processes of ``ranks`` (threads of one process share it).
@@ -382,7 +399,7 @@ class Ranks:
         if self.state == "stopped":
             return
         self.selector.close()
-        for conn in self.events + self.outputs:
+        for conn in self.events + self.outputs + self.samplers:
             conn.sock.close()
         try:
             if self.state == "broken":

@@ -24,6 +24,9 @@ class RankState:
     # What XLA did in the rank during the cell (launcher/xla_account.py), once it ended;
     # rank threads of one process share one account, which names them all.
     xla: dict[str, Any] | None = None
+    where: str = ""  # what the rank was doing when last asked (stacks.summary), while the cell runs
+    # Where its process's profile of the cell is (--profile; launcher/profiling.py), shared like ``xla``.
+    profile: dict[str, Any] | None = None
 
     @property
     def elapsed(self) -> float:
@@ -47,9 +50,17 @@ class RunRecord:
     # stops as if the notebook's stop button had been pressed.
     interrupt_requested: bool = False
     xla_report: str = "auto"  # --xla-report: auto, full or off
+    # Where each rank was, as its sampler last answered (launcher/stacks.py), and when that was
+    # (at the watchdog's warning, when interrupted ...); the watchdog's line, if it spoke.
+    stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stacks_when: str = ""
+    hang: str | None = None
+    profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
 
-    def take_xla(self, account: dict[str, Any]) -> None:
-        """A rank's account of what XLA did (protocol.XLA), for every rank it covers."""
-        for rank in account.get("ranks", ()):
+    def take(self, kind: str, fact: dict[str, Any]) -> None:
+        """A rank process's fact about the cell, for every rank it covers: its account of what XLA did
+        (protocol.XLA, into ``RankState.xla``) or where its profile is (protocol.PROFILE, ``RankState.profile``)."""
+        attribute = {"xla": "xla", "profile": "profile"}[kind]
+        for rank in fact.get("ranks", ()):
             if rank in self.ranks:
-                self.ranks[rank].xla = account
+                setattr(self.ranks[rank], attribute, fact)

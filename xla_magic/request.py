@@ -31,9 +31,9 @@ from IPython.core.error import UsageError
 from xla_magic import protocol, rank_display, transport
 from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
-from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit, process_stopped
+from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
 from xla_magic.record import RankState, RunRecord
-from xla_magic.troubleshooting import see
+from xla_magic.watch import Watch
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 STOP_GRACE = 1.5  # between SIGINT, SIGTERM and SIGKILL; how long a pool's ranks get to answer SIGINT
@@ -64,6 +64,7 @@ class Request:
         targets: list[int] | None = None,
         on_update: Callable[[RunRecord], None] = lambda record: None,
         live_lines: bool = False,
+        hang_after: float | None = None,
     ) -> None:
         self.ranks = ranks
         self.record = record
@@ -91,10 +92,10 @@ class Request:
         self.launch_error: str | None = None
         self.first_failure_at: float | None = None
         self.stop_reason: str | None = None  # failure, timeout or interrupt, once we stop the request
-        self.stopped_pids: set[int] = set()  # rank processes seen stopped (SIGSTOP)
         self._last_tick = 0.0
         self._lines_counted = 0
         record.ranks = {rank: RankState(pid=ranks.pids.get(rank)) for rank in range(ranks.size)}
+        self.watch = Watch(self, hang_after, notebook=live_lines)  # where the ranks are; the hang watchdog
 
     # -- starting --------------------------------------------------------
 
@@ -106,7 +107,7 @@ class Request:
                 self.record.ranks[rank].state = "done"
         if self.ranks.state == "starting":
             return
-        self._pump(0)  # a rank that died since, stray output
+        self.pump(0)  # a rank that died since, stray output
         if self.ranks.state == "broken":
             self._finish("failed")
             self._after()  # what is left of the pool ends now, with all its cells started
@@ -147,7 +148,7 @@ class Request:
             for rank in self.targets:
                 if rank not in asked and rank not in self.done and rank != sending:
                     self.done.add(rank)
-                    self._rank_state(rank, "killed")
+                    self.rank_state(rank, "killed")
             self.delivered = len(asked) == len(self.targets)
 
     # -- following -------------------------------------------------------
@@ -161,17 +162,17 @@ class Request:
                     self._stop("failure")
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    stopped = self._stopped_ranks()
+                    stopped = self.watch.stopped_ranks()
                     self._stop("timeout")
                     raise self._error(f"timed out after {self.timeout:g} s (--timeout){stopped}; {self._stopped_note()}")
                 if self.record.interrupt_requested:
                     raise KeyboardInterrupt
-                self._pump(0.1)
+                self.pump(0.1)
                 self._tick()
         except KeyboardInterrupt:
             self._stop("interrupt")
             self._finish("interrupted")
-            raise RunInterrupted(self._interrupted_message(), dict(self.results)) from None
+            raise RunInterrupted(self._interrupted_message(), dict(self.results), where=self.watch.where_lines()) from None
         finally:
             self._after()
         self._account_for_missing_ranks()
@@ -199,16 +200,16 @@ class Request:
     def _settled(self, rank: int) -> bool:
         return rank in self.done or rank in self.lost
 
-    def _unsettled(self, ranks: list[int] | None = None) -> list[int]:
+    def unsettled(self, ranks: list[int] | None = None) -> list[int]:
         return [rank for rank in (self.targets if ranks is None else ranks) if not self._settled(rank)]
 
     def _running(self) -> bool:
         if not self.sent:
             self._send()
-        if self._unsettled():
+        if self.unsettled():
             if self.ranks.ended or not self.ranks.selector.get_map():
                 self._drain_events()
-                for rank in self._unsettled():  # nothing more can come from them
+                for rank in self.unsettled():  # nothing more can come from them
                     self.lost[rank] = time.monotonic()
                 return False
             return True
@@ -226,35 +227,10 @@ class Request:
         now = time.monotonic()
         if now - self._last_tick >= TICK_INTERVAL:
             self._last_tick = now
-            self._notice_stopped_ranks()
+            self.watch.tick()
             self.on_update(self.record)
 
-    def _notice_stopped_ranks(self) -> None:
-        """A rank stopped by SIGSTOP/SIGTSTP would hang the cell in silence: say so, once."""
-        running = {rank: self.ranks.pids[rank] for rank in self._unsettled() if rank in self.ranks.pids}
-        for pid in set(running.values()):
-            stopped = process_stopped(pid)
-            ranks = [rank for rank, owner in running.items() if owner == pid]
-            if stopped and pid not in self.stopped_pids:
-                self.stopped_pids.add(pid)
-                for rank in ranks:
-                    self._rank_state(rank, "stopped")
-                print(f"[{self._tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
-                      f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell. "
-                      + see("rank-stopped-by-signal"), flush=True)
-            elif not stopped and pid in self.stopped_pids:
-                self.stopped_pids.discard(pid)
-                for rank in ranks:
-                    self._rank_state(rank, "running")
-
-    def _stopped_ranks(self) -> str:
-        """What to add to a timeout's message when ranks were stopped by a signal meanwhile."""
-        ranks = [rank for rank in self._unsettled() if self.ranks.pids.get(rank) in self.stopped_pids]
-        if not ranks:
-            return ""
-        return f" while rank(s) {_listed(ranks)} stayed stopped by SIGSTOP/SIGTSTP"
-
-    def _pump(self, timeout: float) -> None:
+    def pump(self, timeout: float) -> None:
         if not self.ranks.selector.get_map():
             time.sleep(timeout)
             return
@@ -315,7 +291,7 @@ class Request:
     def _lose(self, rank: int) -> None:
         """The rank is gone before answering; its exit code says how, when it comes."""
         self.lost[rank] = time.monotonic()
-        self._rank_state(rank, "killed" if self.stop_reason else "failed")
+        self.rank_state(rank, "killed" if self.stop_reason else "failed")
 
     def _handle(self, conn: Conn, event: protocol.Event) -> None:
         kind, fields = event
@@ -330,22 +306,24 @@ class Request:
             self._take_status(rank, fields)
         elif kind == protocol.DISPLAY:
             self._show(rank, fields)
+        elif kind == protocol.STACKS:
+            self.watch.take(rank, fields)
         elif fields.get("seq") != self.seq:
             return  # a reply to a request the kernel gave up on
         elif kind == protocol.RESULT:
             self._take_result(rank, fields)
-        elif kind == protocol.XLA:
-            self.record.take_xla(fields["account"])
+        elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
+            self.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
-                self._rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
+                self.rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
             else:
                 self._fail(rank, fields["type"], fields["message"], fields.get("traceback", ""))
         elif kind == protocol.DONE:
             self.done.add(rank)
             self.record.ranks[rank].processes = list(fields.get("processes", ()))
             if rank not in self.failures:
-                self._rank_state(rank, "done")
+                self.rank_state(rank, "done")
 
     def _take_status(self, rank: int, fields: dict[str, Any]) -> None:
         state = self.record.ranks[rank]
@@ -356,7 +334,7 @@ class Request:
         if fields.get("memory") is not None:
             state.memory = fields["memory"]
         if fields.get("state") == "ready" and rank in self.targets and self.sent and self.frame is None:
-            self._rank_state(rank, "running")  # its request came with the job: it runs it now
+            self.rank_state(rank, "running")  # its request came with the job: it runs it now
         else:
             self.on_update(self.record)
 
@@ -402,7 +380,7 @@ class Request:
         death = self.ranks.launcher_death()
         cause = f": {error.strip().splitlines()[-1]}" if error else ""
         self.ranks.mark_broken(death or f"the pool's rank processes ended{cause}")
-        for rank in self._unsettled():
+        for rank in self.unsettled():
             if rank not in self.failures and self.stop_reason is None:
                 self._fail(rank, "RankDied", death or f"{self.ranks.name(rank)}'s process ended{cause}")
 
@@ -427,7 +405,7 @@ class Request:
         self.failures.setdefault(rank, RankFailure(rank, type_, message, traceback, exit_code))
         if rank >= 0:
             # Errors that follow our own stop signals are the stop, not a fault.
-            self._rank_state(rank, "killed" if self.stop_reason else "failed")
+            self.rank_state(rank, "killed" if self.stop_reason else "failed")
         if self.first_failure_at is None:
             self.first_failure_at = time.monotonic()
 
@@ -439,7 +417,7 @@ class Request:
                 continue
             code = self.exit_codes.get(rank)
             if self.stop_reason is not None:
-                self._rank_state(rank, "killed")
+                self.rank_state(rank, "killed")
             elif death is not None:
                 self._fail(rank, "LauncherDied", death, exit_code=code)
             elif self.launch_error and code is None and rank in self.ranks.pids:
@@ -457,8 +435,9 @@ class Request:
 
     def _stop(self, reason: str) -> None:
         """Stop the asked ranks' work: the cell only in a live pool, else the ranks themselves."""
+        self.watch.capture(reason)  # where every rank is, before the stop moves them
         self.stop_reason = reason
-        pending = self._unsettled()
+        pending = self.unsettled()
         if self.ranks.keep and self.ranks.state == "starting":
             self.ranks.mark_broken(f"its start was stopped ({reason})")
         if self.ranks.keep and self.ranks.state != "broken":
@@ -471,16 +450,16 @@ class Request:
             self._escalate(signal.SIGTERM if reason == "failure" else signal.SIGINT)
         for rank in self.targets:
             if not self._settled(rank) or self.record.ranks[rank].state in ("starting", "running", "stopped"):
-                self._rank_state(rank, "killed")
+                self.rank_state(rank, "killed")
         self._drain_output()
 
     def _escalate(self, first_signal: int) -> None:
         """SIGINT -> SIGTERM -> SIGKILL on the set's process group, until every asked rank is gone or answered."""
         signals = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
         for sig in signals[signals.index(first_signal):]:
-            if not self._unsettled() or not self.ranks.signal_group(sig):
+            if not self.unsettled() or not self.ranks.signal_group(sig):
                 return
-            if not self._wait_for_ranks(self._unsettled(), STOP_GRACE if sig != signal.SIGKILL else EXIT_CODE_WAIT * 3):
+            if not self._wait_for_ranks(self.unsettled(), STOP_GRACE if sig != signal.SIGKILL else EXIT_CODE_WAIT * 3):
                 continue  # a second interrupt: escalate at once
 
     def _interrupt(self, ranks: list[int], reason: str) -> None:
@@ -491,7 +470,7 @@ class Request:
         """
         self.ranks.interrupt(ranks)
         answered = self._wait_for_ranks(ranks, STOP_GRACE, resend=True)
-        waiting = self._unsettled(ranks)
+        waiting = self.unsettled(ranks)
         grace = STOP_GRACE
         if answered and waiting and all(rank in self.ranks.thread_ranks for rank in waiting):
             grace = THREAD_STOP_GRACE
@@ -499,7 +478,7 @@ class Request:
             print(f"waiting up to {grace:g} s for rank(s) {_listed(waiting)} to leave native code; "
                   f"interrupt {again}to stop {'it' if len(waiting) == 1 else 'them'} now", flush=True)
             answered = self._wait_for_ranks(waiting, grace - STOP_GRACE, resend=True)
-            waiting = self._unsettled(ranks)
+            waiting = self.unsettled(ranks)
         if not waiting:
             return
         if answered:
@@ -519,13 +498,13 @@ class Request:
         """
         now = time.monotonic()
         end, again = now + seconds, now + RESEND_INTERRUPT
-        while self._unsettled(ranks) and time.monotonic() < end and not self.ranks.ended:
+        while self.unsettled(ranks) and time.monotonic() < end and not self.ranks.ended:
             try:
-                self._pump(0.05)
+                self.pump(0.05)
             except KeyboardInterrupt:
                 return False
             if resend and time.monotonic() >= again:
-                self.ranks.interrupt(self._unsettled(ranks))
+                self.ranks.interrupt(self.unsettled(ranks))
                 again = time.monotonic() + RESEND_INTERRUPT
         return True
 
@@ -541,10 +520,10 @@ class Request:
             state.lines += batch
             state.last_line = line
 
-    def _tag_of(self, ranks: list[int]) -> str:
+    def tag_of(self, ranks: list[int]) -> str:
         return self.ranks.label(ranks[0]) if self.ranks.one_value else f"rank {_listed(ranks)}"
 
-    def _rank_state(self, rank: int, value: str) -> None:
+    def rank_state(self, rank: int, value: str) -> None:
         state = self.record.ranks[rank]
         if state.state in ("failed", "killed"):
             return
@@ -591,7 +570,8 @@ class Request:
     def _error(self, summary: str) -> RankError:
         if self.record.outcome == "running":
             self._finish("timeout" if self.stop_reason == "timeout" else "failed")
-        return RankError(list(self.failures.values()), dict(self.results), summary, label=self.ranks.label)
+        return RankError(list(self.failures.values()), dict(self.results), summary, label=self.ranks.label,
+                         where=self.watch.where_lines())
 
 
 def _listed(ranks: list[int]) -> str:

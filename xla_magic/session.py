@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, probe, protocol, sharding, transport, xla_report
+from xla_magic import payload, place, probe, profile_view, protocol, sharding, transport, xla_report
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
 from xla_magic.ranks import Ranks
@@ -74,6 +74,7 @@ class Session:
         self.hosts: Any = None  # the kernel's pool across several hosts (xla_magic.hosts.pool.HostsPool)
         self.pool_xla_report = "auto"  # the pool's --xla-report, for cells that give none
         self.last_cell: RunRecord | None = None
+        self.last_profiled: RunRecord | None = None  # the last --profile cell, for %xla_profile
 
     # -- the launcher ------------------------------------------------------
 
@@ -114,6 +115,8 @@ class Session:
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
+        profile: bool = False,
+        hang_after: float | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (unless ``fresh``), else in new ranks.
 
@@ -123,6 +126,9 @@ class Session:
         if hosts is not None and not fresh:
             if spmd is not None:
                 raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
+            if profile:
+                raise UsageError("--profile records the ranks of one host; the pool runs on several hosts, where it "
+                                 "is not supported yet (run the cell with --fresh, or stop the pool)")
             self.one_value = False
             return hosts.run_cell(cell, user_ns, hidden, timeout)
         pool = self.current_pool()
@@ -130,13 +136,15 @@ class Session:
             pool.check_fits(devices, backend, spmd)
             pool.check_usable()
             self._guard_kernel(pool)
-            return self._cell(pool, cell, user_ns, hidden, timeout, live_lines, xla_report or self.pool_xla_report)
+            return self._cell(pool, cell, user_ns, hidden, timeout, live_lines, xla_report or self.pool_xla_report,
+                              profile, hang_after=hang_after or pool.hang_after)
         if pool is not None:
             pool.check_fresh_allowed()
         placement = plan(backend, devices, "%%xla_spawn", spmd)
         ranks = Ranks(placement, keep=False, requested_backend=backend, workdir=self.workdir)
         try:
-            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines, xla_report or "auto")
+            return self._cell(ranks, cell, user_ns, hidden, timeout, live_lines, xla_report or "auto", profile,
+                              hang_after=hang_after)
         finally:
             ranks.stop()
 
@@ -149,9 +157,13 @@ class Session:
         timeout: float | None,
         live_lines: bool,
         report: str = "auto",
+        profile: bool = False,
+        hang_after: float | None = None,
     ) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         run_id = self.next_run_id()
+        # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
+        profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if profile else {}
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell, filename)
         values = payload.select_names(names, user_ns, hidden)
@@ -165,15 +177,19 @@ class Session:
             transformed = {"code": code} if code != cell else {}
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell, filename=filename,
                                     has_result=has_result, results_to=ranks.results.prefix,
-                                    xla_report=report != "off", **transformed, **place.changed(here, ranks.place),
+                                    xla_report=report != "off", **profiled, **transformed,
+                                    **place.changed(here, ranks.place),
                                     **shipping)
             launching = ranks.state == "starting"
             record = self._record(run_id, cell, ranks)
             record.xla_report = report
+            record.profile = profiled.get("profile", "")
             self.last_cell = record  # %xla_report shows what XLA did in it
+            if profile:
+                self.last_profiled = record  # %xla_profile shows it again
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=timeout, on_update=self._notify,
-                              live_lines=live_lines)
+                              live_lines=live_lines, hang_after=hang_after)
             if launching:
                 self._launch(ranks, record, first=frame)
             else:
@@ -184,6 +200,8 @@ class Session:
                 return ranks.value(request.wait())
             finally:
                 xla_report.after_cell(record)
+                if profile:
+                    profile_view.after_cell(record)
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)
@@ -259,6 +277,7 @@ class Session:
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
+        hang_after: float | None = None,
     ) -> Ranks:
         """``%xla_pool start``: a pool of ready ranks (or, with ``spmd``, an SPMD process), or the one already running."""
         if self.current_hosts() is not None:
@@ -271,6 +290,7 @@ class Session:
             return running
         placement = plan(backend or "auto", devices, "%xla_pool start", spmd)
         pool = Ranks(placement, keep=True, requested_backend=backend or "auto", workdir=self.workdir, world=self.world)
+        pool.hang_after = hang_after
         record = self._record(self.next_run_id(), "%xla_pool start", pool)
         start = Request(pool, record, 0, None, workdir=self.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=self._notify, live_lines=live_lines)
@@ -309,6 +329,7 @@ class Session:
         live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
+        hang_after: float | None = None,
     ) -> Ranks:
         """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
         old = self.current_pool()
@@ -318,9 +339,10 @@ class Session:
             devices = devices if devices is not None else old.devices
             backend = backend or old.requested_backend
             xla_report = xla_report or self.pool_xla_report
+            hang_after = hang_after or old.hang_after
             plan(backend, devices, "%xla_pool restart", spmd)  # bad options keep the old pool
             self.stop_pool()
-        return self.start_pool(devices, backend, live_lines, spmd, xla_report)
+        return self.start_pool(devices, backend, live_lines, spmd, xla_report, hang_after)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""

@@ -291,6 +291,7 @@ def render_text(snap: Snapshot) -> str:
             lines.append(
                 f"  {run.run_id:>4}  {run.outcome:<11} {run.devices:>3} devices  "
                 f"{format_seconds(run.duration):>10}  {cell_summary(run.cell)}"
+                + ("  [profiled: %xla_profile]" if run.profile else "")
             )
             said = xla_report.summary(run)
             if said:
@@ -361,13 +362,18 @@ def ranks_html(run: RunRecord | None) -> str:
     return f'<div class="xla-status">{head}<table>{header}{rows}</table>{note_html}</div>'
 
 
+# A profiled run's mark in the history: %xla_profile shows its timeline (for the last such run).
+PROFILED = ' <span class="xla-profiled" title="profiled: %xla_profile shows its timeline">⏱ profiled</span>'
+
+
 def history_html(history: list[RunRecord]) -> str:
     if not history:
         return ""
     header = "<tr><th>run</th><th>cell</th><th>devices</th><th>duration</th><th>outcome</th><th>XLA</th></tr>"
     rows = "".join(
         f'<tr class="xla-history" data-run="{run.run_id}" data-outcome="{run.outcome}">'
-        f'<td>{run.run_id}</td><td class="xla-mono">{html.escape(cell_summary(run.cell))}</td>'
+        f'<td>{run.run_id}</td><td class="xla-mono">{html.escape(cell_summary(run.cell))}'
+        f'{PROFILED if run.profile else ""}</td>'
         f"<td>{run.devices}</td><td>{format_seconds(run.duration)}</td>"
         f"<td>{chip(run.outcome, OUTCOME_COLOURS.get(run.outcome, '#757575'))}</td>"
         f'<td class="xla-summary">{html.escape(xla_report.summary(run) or "")}</td></tr>'

@@ -37,6 +37,8 @@ from xla_magic.launcher import strategy as strategy_module
 STALE_TPU_VARIABLES = ("TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID")
 
 
+SOCKETS_PER_RANK = 4  # events, stdout, stderr, stacks (rank.RankSockets)
+
 # This supervisor's pid, for the ranks it forks (see _tpu_rank).
 _supervisor_pid: int | None = None
 
@@ -61,8 +63,8 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         lifetime.become_subreaper()
         ranks = [
-            rank_module.RankSockets(*(socket.socket(fileno=fd) for fd in fds[i : i + 3]))
-            for i in range(1, len(fds), 3)
+            rank_module.RankSockets(*(socket.socket(fileno=fd) for fd in fds[i : i + SOCKETS_PER_RANK]))
+            for i in range(1, len(fds), SOCKETS_PER_RANK)
         ]
         first = job.get("first")
         if job.get("spmd"):

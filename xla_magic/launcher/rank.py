@@ -34,9 +34,10 @@ class RankSockets:
     events: socket.socket
     out: socket.socket
     err: socket.socket
+    stacks: socket.socket  # the sampler's (stacks.py): asked where the rank is, it answers here
 
     def all(self) -> list[socket.socket]:
-        return [self.events, self.out, self.err]
+        return [self.events, self.out, self.err, self.stacks]
 
 
 class _ResultPickler(transport.SharedMemoryPickler):

@@ -39,7 +39,8 @@ import types
 from typing import Any, Callable, Iterator
 
 from xla_magic import protocol, transport
-from xla_magic.launcher import capture, interrupt, lifetime, place, rank as rank_module, shell, xla_account, xla_analysis
+from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, rank as rank_module, shell, stacks,
+                                xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -183,10 +184,11 @@ class RankServer:
         self._filename = "<xla_pool>"
         self._serving = ""  # the cell being served, or the last one, for errors outside it
         self._idle_failure: BaseException | None = None  # raised between requests, told with the next
+        self.phase = "idle"  # what its stack sampler reports the rank is at: idle, cell, closing (stacks.py)
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
-        self._xla_frame = b""  # the cell's account of what XLA did (XLA), sent with its reply
+        self._xla_frame = b""  # the cell's account of what XLA did (XLA), and its profile (PROFILE), sent with its reply
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
@@ -335,16 +337,35 @@ class RankServer:
         if memory is not None:
             memory.start()
         try:
-            with self._accounted(fields), interrupt.Cell():
+            self.phase = "cell"
+            with self._profiled(fields), self._accounted(fields), interrupt.Cell():
                 value = self.home.run(fields["source"], body, last)
+            self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
                 self.closing()
         finally:
+            self.phase = "idle"
             if memory is not None:
                 memory.stop()
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
         return self._result_frame(fields, value)
+
+    @contextlib.contextmanager
+    def _profiled(self, fields: dict[str, Any]) -> Iterator[None]:
+        """The cell in torch_xla's profiler when the kernel asked for it (--profile; see profiling.py)."""
+        directory = fields.get("profile")
+        if not directory:
+            yield
+            return
+        profiler = profiling.profiler()
+        profiler.begin(self.rank, directory)
+        try:
+            yield
+        finally:
+            where = profiler.end()
+            if where is not None:
+                self._xla_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
 
     @contextlib.contextmanager
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
@@ -369,7 +390,7 @@ class RankServer:
                 except Exception:
                     account = None
                 if account is not None:
-                    self._xla_frame = protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
+                    self._xla_frame += protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
 
     def push(self, fields: dict[str, Any]) -> None:
         values = transport.load_namespace(fields["values"])[0]
@@ -444,6 +465,8 @@ def serve(
     streams = capture.RankStreams(rank, sockets.out, sockets.err)
     capture.attach(streams)
     channel = protocol.Channel(sockets.events)
+    served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
+    stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].phase if served else "setup")
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
@@ -461,6 +484,7 @@ def serve(
                 rank_names = setup()
                 server = RankServer(rank, channel, streams, rank_names, closing if request is not None else None,
                                     one_shot=request is not None)
+                served.append(server)
             except BaseException as exc:  # anything from the runtime's start
                 streams.flush()
                 channel.send(protocol.ERROR, seq=waiting_seq, type=type(exc).__name__,

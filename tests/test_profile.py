@@ -1,0 +1,138 @@
+"""--profile: real traces of real cells on the CPU simulation, the timeline checked against the trace files' own events."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from helpers import PROFILED
+from xla_magic import profile_view
+
+
+
+def file_events(path: str) -> list[dict]:
+    return profile_view.complete_events(profile_view.read_trace(path)["traceEvents"])
+
+
+def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
+    session = ip._xla_magic_session
+    plain = spawn("", "z = 1")
+    assert session.last_cell.profile == "" and all(s.profile is None for s in session.last_cell.ranks.values())
+    assert "Profile of run" not in plain.stdout  # off: nothing asked, nothing recorded
+
+    run = spawn("--profile", PROFILED)
+    record = session.last_profiled
+    assert record is session.last_cell and os.path.isdir(record.profile)
+    assert "Profile of run" in run.stdout and "Top device ops" in run.stdout
+    found = profile_view.lanes(record)
+    assert [one.ranks for one in found] == [[0], [1]]
+    for one in found:
+        where = one.where
+        assert not one.problem, one.problem
+        assert where["trace"].startswith(os.path.join(record.profile, f"rank{one.ranks[0]}"))
+        assert os.path.isfile(where["trace"]) and os.path.isfile(where["xplane"])
+        events = file_events(where["trace"])
+        # Compiles: the trace's own, as many as the rank's XLA account counted, in the same order of hashes.
+        compiles = [e for e in events if e["name"] == "XLAGraphExecutor::Compile"]
+        drawn = [e for e in one.events if e.kind == "compile"]
+        account = record.ranks[one.ranks[0]].xla
+        assert len(drawn) == len(compiles) == account["compiles"] == 3
+        assert [e["args"]["graph_hash"] for e in compiles] == [c["hash"] for c in account["compilations"]]
+        assert all(event.label.startswith("line 9") for event in drawn), [e.label for e in drawn]
+        # The user's annotations, in the cell's order, and each before the compile of its step.
+        annotations = [e for e in events if e["name"] == "forward"]
+        assert [e.name for e in one.events if e.kind == "annotation"] == ["forward"] * len(annotations) == ["forward"] * 3
+        starts = [e.start for e in one.events if e.kind in ("annotation", "compile")]
+        assert starts == sorted(starts)
+        assert [e.kind for e in one.events if e.kind in ("annotation", "compile")] == ["annotation", "compile"] * 3
+        assert any(e.kind == "device→host" for e in one.events)  # y.item()
+        assert sum(len(d) for d in one.ops.values()) > 0
+    page = profile_view.page(record)
+    assert page.count("<rect") == sum(len(one.events) for one in found)
+    assert ">rank 0<" in page and ">rank 1<" in page and "xprof --logdir " + record.profile in page
+
+    # the panel marks the profiled run; %xla_profile shows it again
+    from test_widget import history_rows
+
+    from xla_magic import widget
+
+    panel = widget.status_panel(session)
+    panel.redraw()
+    rows = {row["cells"][0]: row for row in history_rows(panel)}
+    assert "profiled" in rows[str(record.run_id)]["cells"][1]
+    assert "profiled" not in rows[str(record.run_id - 1)]["cells"][1]
+    with capture_output() as shown:
+        ip.run_line_magic("xla_status", "--text")
+    assert re.search(rf"\n\s+{record.run_id}\s.*\[profiled: %xla_profile\]", shown.stdout), shown.stdout
+    with capture_output() as shown:
+        ip.run_line_magic("xla_profile", "")
+    assert f"Profile of run {record.run_id} (2 traces)" in shown.stdout
+
+
+def test_a_profiled_spmd_cell_has_one_lane(ip, spawn):
+    spawn("--spmd --devices 2 --profile", "import torch, torch_xla\ny = (torch.ones(8, 8, device=device) * 3).sum()\n"
+          "torch_xla.sync()\ny.item()")
+    record = ip._xla_magic_session.last_profiled
+    [one] = profile_view.lanes(record)
+    assert one.ranks == [0] and not one.problem
+    compiles = [e for e in file_events(one.where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
+    assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1
+
+
+def test_xla_profile_before_any_profile_is_a_usage_error(ip):
+    from IPython.core.error import UsageError
+
+    session = ip._xla_magic_session
+    last, session.last_profiled = session.last_profiled, None
+    try:
+        with pytest.raises(UsageError, match="no %%xla_spawn --profile cell"):
+            ip.run_line_magic("xla_profile", "")
+    finally:
+        session.last_profiled = last
+
+
+def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    spawn("--devices 2 --backend tpu --profile", "import torch, torch_xla\ny = (torch.ones(4, device=device) * 5).sum()\n"
+          "torch_xla.sync()")
+    record = ip._xla_magic_session.last_profiled
+    [one] = profile_view.lanes(record)  # the profiler is one per process: the first thread in starts it, the last stops it
+    assert one.ranks == [0, 1] and not one.problem, one.problem
+    assert record.ranks[0].profile is record.ranks[1].profile
+    assert len(profile_view.trace_files(record.profile)) == 1
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"not gzip at all", "could not be read"),
+    (None, "wrote no trace.json.gz"),
+])
+def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, problem):
+    from xla_magic.record import RankState, RunRecord
+
+    path = tmp_path / "vm.trace.json.gz"
+    if content is not None:
+        path.write_bytes(content)
+    record = RunRecord(run_id=7, cell="x = 1", backend="cpu", devices=1, ranks={0: RankState(state="done")},
+                       profile=str(tmp_path))
+    record.take("profile", {"ranks": [0], "host": "h", "trace": str(path) if content is not None else "",
+                            "xplane": "", "error": ""})
+    [one] = profile_view.lanes(record)
+    assert problem in one.problem
+    assert problem in profile_view.text(record) and problem in profile_view.page(record)
+
+
+def test_a_failing_cell_still_shows_the_profile_of_the_rank_that_failed(ip, spawn):
+    from xla_magic.display import RankError
+
+    with capture_output() as shown, pytest.raises(RankError):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --profile",
+                          "import torch, torch_xla\ny = (torch.ones(4, device=device) * 2).sum()\ntorch_xla.sync()\n"
+                          "if rank == 1:\n    raise ValueError('boom')\nwhile True:\n    torch_xla.sync()")
+    record = ip._xla_magic_session.last_profiled
+    assert record.ranks[1].state == "failed" and record.ranks[1].profile is not None
+    assert "Profile of run" in shown.stdout and "rank 1 on " in shown.stdout
+    if record.ranks[0].profile is None:  # stopped by fail-fast before its cell ended
+        assert f"no trace from rank 0: 0 {record.ranks[0].state}" in shown.stdout

@@ -1,0 +1,196 @@
+"""Where every rank is: real hangs on the CPU simulation, through the real shell and a real kernel.
+
+Each test puts its ranks somewhere known (a line each rank printed says it
+is there), then checks the reported line and function against that place:
+the watchdog's line under a pool cell that can only hang, and where every
+rank was when a cell is interrupted. Interrupts go once every rank has said
+it is in place, never after a guessed delay.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Callable
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from helpers import Listening, press_stop
+from xla_magic import stacks
+from xla_magic.display import RunInterrupted
+from xla_magic.record import RunRecord
+
+HANG_AFTER = 2.0
+DEADLINE = 240.0  # bounds a failure only
+
+
+def interrupt_when(ip, ready: Callable[[RunRecord], bool]) -> tuple[Listening, threading.Event]:
+    """Press the stop button (SIGINT to this process, as a kernel gets it) once ``ready(record)`` holds."""
+    sent = threading.Event()
+
+    def listener(record: RunRecord) -> None:
+        if not sent.is_set() and ready(record):
+            sent.set()
+            threading.Thread(target=press_stop, daemon=True).start()
+
+    return Listening(ip._xla_magic_session, listener), sent
+
+
+def printed(mark: str, ranks: int = 2) -> Callable[[RunRecord], bool]:
+    return lambda record: sum(mark in state.last_line for state in record.ranks.values()) == ranks
+
+
+def interrupted(ip, line: str, cell: str, ready: Callable[[RunRecord], bool]) -> tuple[RunInterrupted, str]:
+    """Run the cell, interrupt it once ``ready``; the error and what the cell showed."""
+    listening, sent = interrupt_when(ip, ready)
+    with listening, capture_output() as captured, pytest.raises(RunInterrupted) as caught:
+        ip.run_cell_magic("xla_spawn", line, cell)
+    assert sent.is_set()
+    return caught.value, captured.stdout
+
+
+def block(error: BaseException, who: str) -> list[str]:
+    """The lines of ``who``'s block in the error's "where each rank was" (its header first)."""
+    lines = error._render_traceback_()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{who}: "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    return lines[start:end]
+
+
+def test_one_shot_interrupt_says_rank_0_waits_in_all_reduce_while_rank_1_loops(ip):
+    cell = (
+        "import torch, torch_xla.core.xla_model as xm\n"
+        "print('in place', flush=True)\n"
+        "if rank == 0:\n"
+        "    y = xm.all_reduce('sum', torch.ones(2, device=device))\n"
+        "else:\n"
+        "    n = 0\n"
+        "    while True:\n"
+        "        n += 1\n"
+    )
+    error, _ = interrupted(ip, "--devices 2", cell, printed("in place"))
+    assert str(error).startswith("interrupted; the ranks were stopped")
+    assert block(error, "rank 0")[:2] == [
+        "rank 0: waiting in xm.all_reduce (line 4)",
+        "    line 4: y = xm.all_reduce('sum', torch.ones(2, device=device))",
+    ]
+    rank_1 = block(error, "rank 1")
+    assert re.fullmatch(r"rank 1: running Python \(line [78]\)", rank_1[0]), rank_1
+    assert rank_1[1] in ("    line 7: while True:", "    line 8: n += 1")
+    record = ip._xla_magic_session.history[-1]
+    assert record.stacks_when == "when interrupted" and record.hang is None
+
+
+def test_a_rank_in_a_c_call_that_holds_the_gil_is_named(ip):
+    cell = (
+        "import re, time\n"
+        "print('in place', flush=True)\n"
+        "if rank == 1:\n"
+        "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+        "time.sleep(600)\n"
+    )
+    # Once in the C call it stays there: interrupt when the watchdog found it not answering.
+    error, _ = interrupted(ip, f"--devices 2 --hang-after {HANG_AFTER:g}", cell,
+                           lambda record: record.ranks[1].where.startswith("did not answer"))
+    rank_1 = block(error, "rank 1")
+    assert rank_1[0] == "rank 1: did not answer: busy in native code that holds the GIL"
+    if stacks.pyspy_installed():  # read from outside: the C call, then the cell's line it was called from
+        assert rank_1[1] == "    py-spy dump, native frames included:"
+        assert re.fullmatch(r"\s+match \(re/__init__\.py:\d+\)", rank_1[-2]), rank_1
+        assert re.fullmatch(r"\s+<module> \(<xla_spawn cell \d+>:4\)", rank_1[-1]), rank_1
+    assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(600)"]
+
+
+def test_tpu_launch_path_rank_threads_each_say_where_they_are(ip, monkeypatch):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    cell = (
+        "import time\n"
+        "print('in place', flush=True)\n"
+        "if rank == 0:\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "while True:\n"
+        "    sum(range(1000))\n"
+    )
+    error, _ = interrupted(ip, "--backend tpu --devices 2", cell, printed("in place"))
+    assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(0.05)"]
+    rank_1 = block(error, "rank 1")
+    assert rank_1[0] in ("rank 1: running Python (line 6)", "rank 1: running Python (line 7)"), rank_1
+
+
+def test_spmd_process_says_where_it_is(ip):
+    cell = "import time\nprint('in place', flush=True)\ntime.sleep(600)\n"
+    error, _ = interrupted(ip, "--spmd --devices 2", cell, printed("in place", ranks=1))
+    assert block(error, "the SPMD process") == ["the SPMD process: sleeping in time.sleep (line 3)",
+                                                "    line 3: time.sleep(600)"]
+
+
+# --- in a pool (these last: a running pool takes the cells above) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def pool(ip):
+    ip.run_line_magic("xla_pool", f"start --devices 2 --hang-after {HANG_AFTER:g}")
+    try:
+        yield ip
+    finally:
+        ip.run_line_magic("xla_pool", "stop")
+
+
+def test_pool_rendezvous_only_rank_0_makes_is_named_a_hang_then_the_pool_goes_on(pool):
+    cell = "import torch_xla.core.xla_model as xm\nif rank == 0:\n    xm.rendezvous('save')\nprint('done', flush=True)\n"
+    error, shown = interrupted(pool, "", cell, lambda record: record.hang is not None)
+    watchdog = [line for line in shown.splitlines() if line.startswith("xla_magic:")]
+    assert len(watchdog) == 1, shown
+    assert re.fullmatch(
+        r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('save'\) \(line 3\); rank 1 finished the cell\. "
+        r"A collective that only some ranks make never completes; interrupt to stop\.", watchdog[0]), watchdog
+    assert block(error, "rank 0")[:2] == ["rank 0: waiting in xm.rendezvous('save') (line 3)",
+                                          "    line 3: xm.rendezvous('save')"]
+    assert block(error, "rank 1") == ["rank 1: finished the cell"]
+    with capture_output():
+        assert pool.run_cell_magic("xla_spawn", "", "rank") == [0, 1]
+
+
+def test_pool_gloo_collective_the_other_rank_skips_while_it_sleeps(pool):
+    """Rank 0 blocks in gloo's wait (native code, GIL released); rank 1 sleeps: no hang is certain, so no line."""
+    cell = (
+        "import time, torch, torch_xla.core.xla_model as xm\n"
+        "xm.all_reduce(xm.REDUCE_SUM, [torch.ones(2, device=device)])\n"
+        "print('in place', flush=True)\n"
+        "if rank == 0:\n"
+        "    xm.all_reduce(xm.REDUCE_SUM, [torch.ones(2, device=device)])\n"
+        "else:\n"
+        "    time.sleep(600)\n"
+    )
+    seen: dict[int, str] = {}
+
+    def ready(record: RunRecord) -> bool:
+        seen.update({rank: state.where for rank, state in record.ranks.items() if state.where})
+        return printed("in place")(record) and seen.get(0, "").startswith("waiting") and 1 in seen
+
+    error, shown = interrupted(pool, "", cell, ready)
+    assert "xla_magic:" not in shown
+    assert seen == {0: "waiting in xm.all_reduce (line 5)", 1: "sleeping in time.sleep (line 7)"}
+    assert block(error, "rank 0")[:2] == ["rank 0: waiting in xm.all_reduce (line 5)",
+                                          "    line 5: xm.all_reduce(xm.REDUCE_SUM, [torch.ones(2, device=device)])"]
+    assert block(error, "rank 1") == ["rank 1: sleeping in time.sleep (line 7)", "    line 7: time.sleep(600)"]
+
+
+def test_pool_sleep_on_every_rank_is_only_slow(pool):
+    """Every rank sleeping outside any collective, past the hang delay, is never called a hang."""
+    cell = "import time\nprint('in place', flush=True)\ntime.sleep(600)\n"
+    first: list[float] = []
+
+    def ready(record: RunRecord) -> bool:
+        if not first and all(state.where == "sleeping in time.sleep (line 3)" for state in record.ranks.values()):
+            first.append(time.monotonic())
+        # The claim is "no line after the hang delay": wait out three of them.
+        return bool(first) and time.monotonic() - first[0] > 3 * HANG_AFTER
+
+    error, shown = interrupted(pool, "", cell, ready)
+    assert "xla_magic:" not in shown
+    assert pool._xla_magic_session.history[-1].hang is None
+    assert block(error, "ranks 0, 1") == ["ranks 0, 1: sleeping in time.sleep (line 3)", "    line 3: time.sleep(600)"]

@@ -1,0 +1,221 @@
+"""What a running request's ranks are doing while it waits: stopped by a signal, where they are, whether they hang. Runs in the kernel.
+
+A :class:`Watch` belongs to one request (request.py) and runs in its
+thread, from its pump. When progress stops (no output, no rank answering,
+no line advancing), it asks every rank still at the cell where it is
+(protocol.STACKS on each rank's stacks socket; the answers come back as
+events through the request's pump, into the record), and shows one line
+under the running cell, once, updated, where the ranks' places can only
+be a hang (stacks.hang). When the request is stopped (interrupt,
+--timeout, fail-fast) it asks once more and waits up to ANSWER_WAIT for
+the answers: a rank that does not answer is named as busy in native code
+that holds the GIL, and read from outside with py-spy where installed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from xla_magic import stacks
+from xla_magic.ranks import process_stopped
+from xla_magic.troubleshooting import see
+
+if TYPE_CHECKING:
+    from xla_magic.request import Request
+
+# The default hang delay. A collective takes milliseconds once every rank is
+# in it; ranks drift apart for longer only when one compiles or evaluates
+# alone, which rarely passes a minute. A compile or device op on every rank
+# is never a hang, however long.
+HANG_AFTER = 60.0
+ANSWER_WAIT = 1.0  # how long a rank's sampler gets to answer; past it the rank holds the GIL
+WHEN = {"interrupt": "when interrupted", "timeout": "when --timeout stopped it",
+        "failure": "when the failure stopped the others"}
+
+
+class Watch:
+    """One request's watchdog and its reading of where the ranks are."""
+
+    def __init__(self, request: Request, hang_after: float | None, notebook: bool) -> None:
+        self.request = request
+        self.hang_after = HANG_AFTER if hang_after is None else hang_after
+        self.every = min(max(self.hang_after / 4, 0.5), 5.0)  # how often to look while nothing moves
+        self.notebook = notebook
+        self.stopped_pids: set[int] = set()  # rank processes seen stopped (SIGSTOP)
+        self._probe = 0
+        self._asked: dict[int, float] = {}  # rank -> when the open probe asked it
+        self._marker: tuple = ()
+        self._quiet_since = time.monotonic()
+        self._looked = 0.0
+        self._at: dict[int, tuple[tuple, float]] = {}  # rank -> (its point, since when it is there)
+        self._handle: Any = None
+        self._shown: str | None = None
+        self._capturing = False
+
+    # -- answers -----------------------------------------------------------
+
+    def take(self, rank: int, fields: dict[str, Any]) -> None:
+        """A rank's STACKS answer to the open probe; a late one (to a probe given up on) is old news, dropped."""
+        record = self.request.record
+        if rank not in record.ranks or fields.get("probe") != self._probe or rank not in self._asked:
+            return
+        if self.request.stop_reason is not None:
+            return  # the stop has moved the ranks since
+        del self._asked[rank]
+        complete = not self._asked
+        answer = dict(fields)
+        record.stacks[rank] = answer
+        record.ranks[rank].where = stacks.summary(answer)
+        spot = stacks.point(answer)
+        before = self._at.get(rank)
+        if before is None or before[0] != spot:
+            self._at[rank] = (spot, self._quiet_since if before is None else time.monotonic())
+        if complete and not self._capturing:
+            self._judge(time.monotonic())
+
+    def _unanswered(self, ranks: list[int]) -> None:
+        record = self.request.record
+        for rank in ranks:
+            answer = {"rank": rank, "unanswered": stacks.GIL_BUSY, "pid": self.request.ranks.pids.get(rank)}
+            pid = answer["pid"]
+            dump = stacks.pyspy_dump(pid) if pid and self._capturing and not process_stopped(pid) else None
+            if dump:
+                answer["pyspy"] = dump
+            record.stacks[rank] = answer
+            record.ranks[rank].where = stacks.summary(answer)
+            self._asked.pop(rank, None)
+
+    def _at_cell(self) -> list[int]:
+        """The asked ranks still at the cell, whose samplers run (a rank not yet started has none)."""
+        request = self.request
+        return [rank for rank in request.unsettled() if request.record.ranks[rank].state == "running"]
+
+    def _ask(self, ranks: list[int]) -> None:
+        self._probe += 1
+        now = time.monotonic()
+        self._asked = {rank: now for rank in self.request.ranks.ask_where(ranks, self._probe)}
+
+    # -- the watchdog --------------------------------------------------------
+
+    def tick(self) -> None:
+        """From the request's pump, at most every TICK_INTERVAL: look, judge, show."""
+        if self._capturing:
+            return
+        self.notice_stopped_ranks()
+        request = self.request
+        now = time.monotonic()
+        marker = (request.output.lines, len(request.done), len(request.failures))
+        if marker != self._marker:
+            self._marker, self._quiet_since = marker, now
+            self._at.clear()
+        if self._asked and now - min(self._asked.values()) > ANSWER_WAIT:
+            self._unanswered(list(self._asked))
+            self._judge(now)
+        running = self._at_cell()
+        if not running or not request.sent or request.stop_reason is not None:
+            return
+        if now - self._quiet_since >= self.every and now - self._looked >= self.every and not self._asked:
+            self._looked = now
+            self._ask(running)
+
+    def _judge(self, now: float) -> None:
+        request = self.request
+        where: dict[int, dict[str, Any]] = {}
+        for rank in request.targets:
+            if rank in request.done:
+                where[rank] = {"phase": "finished"}
+            elif rank in request.record.stacks:
+                where[rank] = request.record.stacks[rank]
+        if len(where) < len(request.targets):
+            return
+        waited = {rank: now - since for rank, (_spot, since) in self._at.items()}
+        line = stacks.hang(where, waited, self.hang_after, confirm=self.every,
+                           one_value=request.ranks.one_value, label=request.ranks.label)
+        if line is not None:
+            request.record.hang = line
+            request.record.stacks_when = "at the watchdog's warning"
+            self._show(line)
+
+    def _show(self, line: str) -> None:
+        """One line under the running cell: a display updated in place in a notebook, printed once in a terminal."""
+        if line == self._shown:
+            return
+        if self.notebook:
+            from IPython.display import display
+
+            shown = {"text/plain": line}
+            if self._handle is None:
+                self._handle = display(shown, raw=True, display_id=True)
+            else:
+                self._handle.update(shown, raw=True)
+        elif self._shown is None:
+            print(line, flush=True)
+        self._shown = line
+
+    # -- at the stop -----------------------------------------------------------
+
+    def capture(self, reason: str) -> None:
+        """Ask every rank still at the cell where it is, before the stop; wait up to ANSWER_WAIT for them."""
+        request = self.request
+        running = self._at_cell()
+        if not running:
+            return
+        self._capturing = True
+        try:
+            for rank in request.unsettled():
+                request.record.stacks.pop(rank, None)
+                if request.record.ranks[rank].state == "stopped":  # SIGSTOP: it cannot answer, nor be read
+                    request.record.stacks[rank] = {"unanswered": "stopped by a signal (SIGSTOP or SIGTSTP)"}
+            self._ask(running)
+            deadline = time.monotonic() + ANSWER_WAIT
+            while self._asked and time.monotonic() < deadline:
+                request.pump(0.05)
+            self._unanswered(list(self._asked))
+        except KeyboardInterrupt:
+            pass  # a second interrupt: stop now, with what came
+        finally:
+            self._capturing = False
+        for rank in request.targets:
+            if rank in request.failures:
+                request.record.stacks[rank] = {"phase": "failed"}
+            elif rank in request.done and rank not in request.record.stacks:
+                request.record.stacks[rank] = {"phase": "finished"}
+        request.record.stacks_when = WHEN.get(reason, f"when stopped ({reason})")
+
+    def where_lines(self) -> list[str]:
+        """Where every rank was at the stop, grouped (empty when nothing was asked)."""
+        record = self.request.record
+        if not record.stacks:
+            return []
+        return [f"Where each rank was {record.stacks_when}:"] + stacks.render(
+            record.stacks, one_value=self.request.ranks.one_value, label=self.request.ranks.label)
+
+    # -- ranks stopped by a signal ------------------------------------------------
+
+    def notice_stopped_ranks(self) -> None:
+        """A rank stopped by SIGSTOP/SIGTSTP would hang the cell in silence: say so, once."""
+        request = self.request
+        running = {rank: request.ranks.pids[rank] for rank in request.unsettled() if rank in request.ranks.pids}
+        for pid in set(running.values()):
+            stopped = process_stopped(pid)
+            ranks = [rank for rank, owner in running.items() if owner == pid]
+            if stopped and pid not in self.stopped_pids:
+                self.stopped_pids.add(pid)
+                for rank in ranks:
+                    request.rank_state(rank, "stopped")
+                print(f"[{request.tag_of(ranks)}] stopped by a signal (SIGSTOP or SIGTSTP; process {pid}): "
+                      f"the cell waits for it. `kill -CONT {pid}` resumes it; interrupt or --timeout ends the cell. "
+                      + see("rank-stopped-by-signal"), flush=True)
+            elif not stopped and pid in self.stopped_pids:
+                self.stopped_pids.discard(pid)
+                for rank in ranks:
+                    request.rank_state(rank, "running")
+
+    def stopped_ranks(self) -> str:
+        """What to add to a timeout's message when ranks were stopped by a signal meanwhile."""
+        request = self.request
+        ranks = [rank for rank in request.unsettled() if request.ranks.pids.get(rank) in self.stopped_pids]
+        if not ranks:
+            return ""
+        return f" while rank(s) {', '.join(map(str, ranks))} stayed stopped by SIGSTOP/SIGTSTP"
