@@ -69,8 +69,19 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 # Every temporary file or folder a test makes with tempfile goes here, so the leak check sees this
-# run's only (the machine's /tmp is shared with other runs).
+# run's only (the machine's /tmp is shared with other runs). Removed after a run that passed; kept,
+# with pytest's tmp_path folders in it, after one that failed.
 tempfile.tempdir = tempfile.mkdtemp(prefix="xla_magic-tests-")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path clean-up
+def pytest_sessionfinish(session, exitstatus) -> None:
+    import shutil
+
+    if exitstatus == 0:
+        shutil.rmtree(tempfile.tempdir, ignore_errors=True)
+    else:
+        print(f"\nthe tests' temporary files are kept in {tempfile.tempdir}")
 
 
 @dataclass

@@ -53,7 +53,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 SERVER_START_LIMIT = 60.0
-WAIT_MS = 90_000  # the longest any one thing on the page may take
+WAIT_MS = 240_000  # the longest any one thing on the page may take (a first cell on a loaded machine: minutes)
 
 
 def version(distribution: str) -> tuple[int, ...]:
