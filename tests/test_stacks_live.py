@@ -17,8 +17,8 @@ from typing import Callable
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Listening, press_stop
-from xla_magic import stacks
+from helpers import KERNEL_TIMEOUT, Kernel, Listening, press_stop, strip_ansi
+from xla_magic import stacks, widget
 from xla_magic.display import RunInterrupted
 from xla_magic.record import RunRecord
 
@@ -177,6 +177,9 @@ def test_pool_gloo_collective_the_other_rank_skips_while_it_sleeps(pool):
     assert block(error, "rank 0")[:2] == ["rank 0: waiting in xm.all_reduce (line 5)",
                                           "    line 5: xm.all_reduce(xm.REDUCE_SUM, [torch.ones(2, device=device)])"]
     assert block(error, "rank 1") == ["rank 1: sleeping in time.sleep (line 7)", "    line 7: time.sleep(600)"]
+    panel = widget.ranks_html(pool._xla_magic_session.history[-1])  # %xla_status's "where" column
+    assert '<td class="xla-where">waiting in xm.all_reduce (line 5)</td>' in panel
+    assert '<td class="xla-where">sleeping in time.sleep (line 7)</td>' in panel
 
 
 def test_pool_sleep_on_every_rank_is_only_slow(pool):
@@ -194,3 +197,66 @@ def test_pool_sleep_on_every_rank_is_only_slow(pool):
     assert "xla_magic:" not in shown
     assert pool._xla_magic_session.history[-1].hang is None
     assert block(error, "ranks 0, 1") == ["ranks 0, 1: sleeping in time.sleep (line 3)", "    line 3: time.sleep(600)"]
+
+
+def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thread_left_running(pool):
+    leaves_a_thread = (
+        "import threading, time\n"
+        "def nap():\n"
+        "    time.sleep(600)\n"
+        "threading.Thread(target=nap, name='napper', daemon=True).start()\n"
+    )
+    with capture_output():
+        pool.run_cell_magic("xla_spawn", "", leaves_a_thread)
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "")
+    lines = captured.stdout.splitlines()
+    now = lines.index("Where the pool's ranks are now:")
+    assert lines[0].startswith("Where each rank was when interrupted (cell ")  # the sleep test's, stopped last
+    assert "ranks 0, 1: sleeping in time.sleep (line 3)" in lines[:now]
+    assert lines[now + 1:] == ["ranks 0, 1: idle (no cell running)",
+                               "  thread 'napper': sleeping in time.sleep (line 3)",
+                               "    line 3 in nap: time.sleep(600)"]
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "--rank 1 --all")
+    assert "rank 1: idle (no cell running)" in captured.stdout
+    assert re.search(r"xla_magic/launcher/serve\.py:\d+ in serve", captured.stdout)  # --all: library frames too
+
+
+# --- through a real Jupyter kernel ------------------------------------------------------------
+
+
+def test_a_real_kernel_shows_the_watchdog_line_as_one_display_then_the_stop_says_where(tmp_path):
+    """In a notebook the line is display data, shown once and updated in place; the stop button's error says where."""
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        reply, text = kernel.run(f"%xla_pool start --devices 2 --hang-after {HANG_AFTER:g}")
+        assert reply["status"] == "ok", text
+        displays: list[dict] = []
+        chunks: list[str] = []
+
+        def hook(msg: dict) -> None:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind in ("display_data", "update_display_data") and "xla_magic:" in content["data"].get("text/plain", ""):
+                displays.append(msg)
+                if len(displays) == 1:
+                    kernel.manager.interrupt_kernel()  # the stop button, once the line is there
+            elif kind == "error":
+                chunks.append("\n".join(content["traceback"]))
+
+        cell = ("%%xla_spawn\nimport torch_xla.core.xla_model as xm\nif rank == 0:\n    xm.rendezvous('save')\n"
+                "print('done', flush=True)\n")
+        reply = kernel.client.execute_interactive(cell, timeout=KERNEL_TIMEOUT, output_hook=hook, stop_on_error=False)
+        assert displays, "no watchdog line"
+        first = displays[0]
+        assert first["msg_type"] == "display_data" and first["content"]["transient"].get("display_id")
+        assert all(m["msg_type"] == "update_display_data" for m in displays[1:])  # one line, updated
+        assert re.fullmatch(r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('save'\) \(line 3\); rank 1 "
+                            r"finished the cell\. .*", first["content"]["data"]["text/plain"])
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "RunInterrupted"
+        error = strip_ansi("\n".join(chunks))
+        assert "rank 0: waiting in xm.rendezvous('save') (line 3)\n    line 3: xm.rendezvous('save')" in error
+        assert "rank 1: finished the cell" in error
+    finally:
+        kernel.close()

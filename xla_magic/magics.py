@@ -229,6 +229,24 @@ class XlaMagics(Magics):
         profile_view.show(record, text=args.text)
 
     @magic_arguments()
+    @argument("-r", "--rank", type=int, default=None, help="only this rank's stack")
+    @argument("--all", action="store_true", help="keep the library frames (and every thread of the rank) unfolded")
+    @line_magic
+    def xla_stacks(self, line: str) -> None:
+        """Show where every rank was when the last cell was stopped or stuck, and where a pool's ranks are now.
+
+        The last stuck or stopped cell's stacks are those taken at the
+        watchdog's line, the interrupt, the timeout or fail-fast. In a pool
+        this also asks every rank where it is now, threads a cell left
+        running included. Ranks with the same stack show as one block
+        (``ranks 0-6``), the odd ones out first; ``--all`` keeps the library
+        frames. See the docs' "Stuck cells".
+        """
+        args = parse_argstring(self.xla_stacks, line)
+        for text in self.session.stacks(args.rank, args.all):
+            print(text)
+
+    @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")
     @line_magic
     def xla_status(self, line: str) -> None:
@@ -236,8 +254,9 @@ class XlaMagics(Magics):
 
         In a notebook this is a live ipywidgets panel: the ranks of the running
         (or last) cell with their state, elapsed time, lines, last line,
-        device memory, the processes each keeps (a pool's) and what XLA did in
-        them (once the cell ended), the recent runs with their XLA summary, and
+        device memory, the processes each keeps (a pool's), what XLA did in
+        them (once the cell ended) and where each is (what its stack sampler
+        last said, updated while a stuck cell runs), the recent runs with their XLA summary, and
         buttons to interrupt the run and stop the pool. Elsewhere it prints the
         same facts as text.
         """

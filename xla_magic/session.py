@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, probe, profile_view, protocol, sharding, transport, xla_report
+from xla_magic import payload, place, probe, profile_view, protocol, sharding, transport, watch, xla_report
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, LauncherError, PrivateDir
 from xla_magic.ranks import Ranks
@@ -378,6 +378,10 @@ class Session:
         if rank is not None:
             return request.results.get(rank)
         return pool.value([request.results.get(r) for r in range(pool.size)])
+
+    def stacks(self, rank: int | None, everything: bool) -> list[str]:
+        """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's now."""
+        return watch.report(self.history, self.current_pool(), rank, everything)
 
     def describe_pool(self) -> str:
         if self.current_hosts() is not None:

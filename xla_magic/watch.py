@@ -219,3 +219,65 @@ class Watch:
         if not ranks:
             return ""
         return f" while rank(s) {', '.join(map(str, ranks))} stayed stopped by SIGSTOP/SIGTSTP"
+
+
+# --- between cells: where a pool's ranks are now ------------------------------------------
+
+_between = 0  # the probes asked between cells count down from -1: never a request's
+
+
+def where_now(ranks: Any, everything: bool = False) -> dict[int, dict[str, Any]]:
+    """Where a pool's ranks are now, with the threads a cell left running (``%xla_stacks``); no request runs."""
+    import selectors
+
+    global _between
+    _between -= 1
+    probe = _between
+    asked = set(ranks.ask_where(list(range(ranks.size)), probe, everything))
+    found: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + ANSWER_WAIT
+    with selectors.DefaultSelector() as selector:
+        for rank in asked:
+            selector.register(ranks.samplers[rank].sock, selectors.EVENT_READ, ranks.samplers[rank])
+        while len(found) < len(asked) and time.monotonic() < deadline:
+            for key, _mask in selector.select(max(0.0, deadline - time.monotonic())):
+                conn = key.data
+                data = conn.receive()
+                for event in conn.reader.feed(data or b""):
+                    if event.fields.get("probe") == probe:
+                        found[conn.rank] = dict(event.fields, between_cells=True)
+    for rank in range(ranks.size):
+        if rank not in found:
+            pid = ranks.pids.get(rank)
+            answer: dict[str, Any] = {"unanswered": stacks.GIL_BUSY, "pid": pid}
+            if pid and not process_stopped(pid):
+                answer["pyspy"] = stacks.pyspy_dump(pid)
+            found[rank] = answer
+    return found
+
+
+def report(history: list[Any], pool: Any, rank: int | None, everything: bool) -> list[str]:
+    """``%xla_stacks``: the last stuck or stopped cell's stacks, then where a pool's ranks are now."""
+    from IPython.core.error import UsageError
+
+    last = next((record for record in reversed(history) if record.stacks), None)
+    size = pool.size if pool is not None else len(last.ranks) if last is not None else 0
+    if rank is not None and not 0 <= rank < max(size, 1):
+        raise UsageError(f"--rank must be between 0 and {max(size, 1) - 1}")
+    if last is None and pool is None:
+        raise UsageError("no cell has been stuck or stopped yet, and no pool runs: %xla_stacks shows where the ranks "
+                         "were when a cell was stopped (interrupt, --timeout, a failure) or the watchdog spoke")
+    only = None if rank is None else [rank]
+    one_value = pool.one_value if pool is not None else False
+    lines: list[str] = []
+    if last is not None:
+        first = last.cell.strip().splitlines()[0] if last.cell.strip() else ""
+        lines.append(f"Where each rank was {last.stacks_when} (cell {last.run_id}, {first[:60]!r}):")
+        if last.hang:
+            lines.append(last.hang)
+        lines.extend(stacks.render(last.stacks, only, everything, one_value=one_value))
+    if pool is not None and pool.state in ("ready", "running"):
+        lines.append("Where the pool's ranks are now:")
+        lines.extend(stacks.render(where_now(pool, everything), only, everything, one_value=one_value,
+                                   label=pool.label))
+    return lines

@@ -273,12 +273,12 @@ def render_text(snap: Snapshot) -> str:
     if snap.run is not None:
         lines.append(f"Ranks of {run_headline(snap.run)}")
         lines.append(f"  {'rank':>4}  {'state':<8} {'elapsed':>10} {'lines':>6}  {'memory':<28} "
-                     f"{'processes':<20} {'XLA':<30} last line")
+                     f"{'processes':<20} {'XLA':<30} {'last line':<40} where")
         for rank, state in sorted(snap.run.ranks.items()):
             lines.append(
                 f"  {rank:>4}  {state.state:<8} {format_seconds(state.elapsed):>10} {state.lines:>6}  "
                 f"{format_memory(state.memory):<28} {format_processes(state.processes):<20} "
-                f"{xla_report.rank_facts(state):<30} {shorten(state.last_line)}"
+                f"{xla_report.rank_facts(state):<30} {shorten(state.last_line):<40} {state.where or '-'}"
             )
         note = rank_memory_note(snap.run)
         if note:
@@ -342,7 +342,8 @@ def rank_row(rank: int, state: RankState) -> str:
         f"<td>{html.escape(format_memory(state.memory))}</td>"
         f'<td class="xla-processes" data-count="{len(state.processes)}">{format_processes(state.processes)}</td>'
         f'<td class="xla-mono">{html.escape(shorten(state.last_line))}</td>'
-        f'<td class="xla-account">{html.escape(xla_report.rank_facts(state))}</td></tr>'
+        f'<td class="xla-account">{html.escape(xla_report.rank_facts(state))}</td>'
+        f'<td class="xla-where">{html.escape(state.where or "-")}</td></tr>'
     )
 
 
@@ -355,7 +356,7 @@ def ranks_html(run: RunRecord | None) -> str:
         f"{chip(run.outcome, colour)}</span> {html.escape(run_headline(run, outcome=False))}</h4>"
     )
     header = ("<tr><th>rank</th><th>state</th><th>elapsed</th><th>lines</th><th>memory</th><th>processes</th>"
-              "<th>last line</th><th>XLA</th></tr>")
+              "<th>last line</th><th>XLA</th><th>where</th></tr>")
     rows = "".join(rank_row(rank, state) for rank, state in sorted(run.ranks.items()))
     note = rank_memory_note(run)
     note_html = f'<div class="xla-note">{html.escape(note)}</div>' if note else ""

@@ -466,7 +466,8 @@ def serve(
     capture.attach(streams)
     channel = protocol.Channel(sockets.events)
     served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
-    stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].phase if served else "setup")
+    if os.environ.get(stacks.OFF_SWITCH) != "0":  # off only to measure what it costs (benchmarks/bench_stacks.py)
+        stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].phase if served else "setup")
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor

@@ -32,6 +32,7 @@ from typing import Any, Callable
 from xla_magic import protocol
 
 CELL_FILE = "<xla_spawn cell"
+OFF_SWITCH = "XLA_MAGIC_STACKS"  # "0" in the kernel's environment: ranks started then have no sampler
 FRAMES_KEPT = 80  # innermost frames kept per thread; a deeper stack loses its outer ones
 
 # The innermost function a rank waits in -> what it is doing there, by the module it is in.
