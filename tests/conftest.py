@@ -10,6 +10,7 @@ removes a listener it did not add). Helpers live in helpers.py.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -69,17 +70,26 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 # Every temporary file or folder a test makes with tempfile goes here, so the leak check sees this
-# run's only (the machine's /tmp is shared with other runs). Removed after a run that passed; kept,
-# with pytest's tmp_path folders in it, after one that failed.
+# run's only (the machine's /tmp is shared with other runs). Removed when the process exits after a
+# run that passed (registered before IPython's own exit handlers, so it runs after them: the test
+# shell's history file is in here); kept, with pytest's tmp_path folders, after one that failed.
 tempfile.tempdir = tempfile.mkdtemp(prefix="xla_magic-tests-")
+_run_passed: list[bool] = []
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path clean-up
-def pytest_sessionfinish(session, exitstatus) -> None:
+def _remove_the_tests_temporary_folder() -> None:
     import shutil
 
-    if exitstatus == 0:
+    if _run_passed:
         shutil.rmtree(tempfile.tempdir, ignore_errors=True)
+
+
+atexit.register(_remove_the_tests_temporary_folder)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if exitstatus == 0:
+        _run_passed.append(True)
     else:
         print(f"\nthe tests' temporary files are kept in {tempfile.tempdir}")
 
