@@ -57,7 +57,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids: Iterable[int], within: float = 30.0) -> list[int]:
+def wait_gone(pids: Iterable[int], within: float = 60.0) -> list[int]:
     """Wait until every one of ``pids`` has ended; those still alive then (``[]`` when all went)."""
     pids = list(pids)
     wait_for(lambda: not any(alive(pid) for pid in pids), within, every=0.05)
@@ -123,6 +123,20 @@ for step in range(STEPS):
     optimizer.step()
     torch_xla.sync()
     losses.append(loss.item())
+"""
+
+
+# A cell with something to profile: three steps under xp.Trace("forward"), one of another shape (three graphs).
+PROFILED = """
+import torch, torch_xla
+import torch_xla.debug.profiler as xp
+w = torch.randn(16, 4, device=device)
+for n in [8, 8, 5]:
+    with xp.Trace("forward"):
+        x = torch.randn(n, 16, device=device)
+        y = (x @ w).relu().sum()
+    torch_xla.sync()
+y.item()
 """
 
 
@@ -361,6 +375,17 @@ def text_of(cell) -> str:
         elif output.output_type == "error":
             parts.append(f"{output.ename}: {output.evalue}\n" + "\n".join(output.traceback))
     return strip_ansi("".join(parts))
+
+
+def cell_name_aside(traceback: str) -> str:
+    """A shown traceback with its cell's name (In[N], or a file name) as CELL: the same for any cell."""
+    return re.sub(r'In ?\[\d+\]|"[^"\n]*"', "CELL", traceback, count=1)
+
+
+def shown_error(cell) -> str:
+    """The traceback a front end shows for the cell's error, its cell's name left out."""
+    (error,) = [output for output in cell.outputs if output.output_type == "error"]
+    return cell_name_aside(strip_ansi("\n".join(error.traceback)))
 
 
 def stream(cell, name: str) -> str:

@@ -1,4 +1,10 @@
-"""Simulated hosts for the multi-host tests: network namespaces, made and removed per module (root only)."""
+"""Simulated hosts for the multi-host tests: network namespaces, made and removed per module (root only).
+
+Also the module's pool across them (``pool``, with ``pool_of_the_module``): a
+test module that imports both gets a ready pool in every test, started on
+first use and again where an earlier test broke or stopped it, so its tests
+pass in any order; it is stopped when the module ends.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,11 @@ import os
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
+from helpers import pool_magic
 from xla_magic.hosts.simulated import SimulatedHosts
 
 RANKS_PER_HOST = 2  # the machine has 2 cores: 2 hosts x 2 ranks
@@ -37,6 +45,37 @@ def make_hosts(tag: int, count: int = 2) -> SimulatedHosts:
     hosts = SimulatedHosts(name=f"x{os.getpid() % 100:02d}{tag}", subnet=100 + (os.getpid() + tag) % 150)
     hosts.up(count)
     return hosts
+
+
+@pytest.fixture(scope="module")
+def hosts(request) -> Iterator[SimulatedHosts]:
+    """Two simulated hosts for the module, named by its HOSTS_TAG (apart from other modules' and runs')."""
+    simulated = make_hosts(request.module.HOSTS_TAG)
+    try:
+        yield simulated
+    finally:
+        simulated.down()
+
+
+@pytest.fixture(scope="module")
+def pool_of_the_module(ip):
+    """The module's pool across its hosts, stopped at the end whatever state its tests left it in."""
+    try:
+        yield
+    finally:
+        pool_magic(ip, "stop")
+
+
+@pytest.fixture
+def pool(ip, hosts, pool_of_the_module):
+    """The module's pool across ``hosts`` (the module's fixture), ready for this test."""
+    running = ip._xla_magic_session.current_hosts()
+    if running is None:
+        shown = pool_magic(ip, start_line(hosts))
+        assert "pool ready" in shown and f"{len(hosts.addresses())} hosts x {RANKS_PER_HOST} ranks" in shown, shown
+    elif running.state == "broken":
+        assert "pool ready" in pool_magic(ip, "restart")
+    yield ip._xla_magic_session.hosts
 
 
 def launch_template(hosts: SimulatedHosts) -> str:

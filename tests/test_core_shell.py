@@ -9,6 +9,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
+from helpers import cell_name_aside, strip_ansi
 from xla_magic.display import CellSyntaxError, RankError
 
 HELLO = """
@@ -80,8 +81,7 @@ def test_a_syntax_error_shows_as_in_a_plain_cell(ip):
     def shown(cell: str) -> str:
         with capture_output() as captured:
             ip.run_cell(cell)
-        text = re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)
-        return re.sub(r'In ?\[\d+\]|"[^"\n]*"', "CELL", text, count=1)
+        return cell_name_aside(strip_ansi(captured.stdout + captured.stderr))
 
     body = "x = 1\ny = (2 +\nz = 3"
     spawned = shown("%%xla_spawn --devices 2\n" + body)

@@ -27,7 +27,6 @@ from playwright.sync_api import sync_playwright
 from test_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGES = ROOT / "docs" / "images"
 
 pytestmark = pytest.mark.skipif(
     not os.access(CHROMIUM, os.X_OK),
@@ -57,13 +56,6 @@ def site(tmp_path_factory) -> str:
         server.shutdown()
         server.server_close()
         thread.join()
-
-
-@pytest.fixture
-def images(request, tmp_path) -> Path:
-    """Where the screenshot goes: docs/images/ when asked (--update-images), else a temporary folder."""
-    asked = request.config.getoption("--update-images", default=False)
-    return IMAGES if asked or os.environ.get("XLA_MAGIC_UPDATE_IMAGES") == "1" else tmp_path
 
 
 def test_a_reader_searches_for_an_error_and_lands_on_its_entry(site, images):

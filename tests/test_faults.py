@@ -7,49 +7,25 @@ is left but the idle launcher, and that the next cell works.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
-import socket
-import threading
+import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psutil
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
+from helpers import (assert_nothing_left, extension_processes, interrupt_once_shown, shown, strip_ansi, wait_for,
+                     wait_gone, when)
 from xla_magic import protocol
 from xla_magic.display import RankError, RunInterrupted
-
-HANG_BOUND = 30.0  # seconds; generous for a loaded 2-core machine
-
-
-def extension_processes(ip) -> list[psutil.Process]:
-    """Every live process this kernel started, except the launcher itself."""
-    launcher = ip._xla_magic_session.launcher
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if launcher is not None and child.pid == launcher.pid:
-                continue
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def assert_nothing_left(ip) -> None:
-    deadline = time.monotonic() + 10
-    while extension_processes(ip) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert extension_processes(ip) == []
-    launcher = ip._xla_magic_session.launcher
-    assert launcher is not None and launcher.alive(), "the launcher must survive faults"
-
 
 def assert_next_cell_works(spawn) -> None:
     assert spawn("--devices 2", "rank + 1").value == [1, 2]
@@ -66,7 +42,7 @@ class Case:
     ``[0, 1]``); ``pattern`` must be in what the error shows, ``absent`` must
     not. ``pool_breaks``: True or False where the case must (or must not)
     break a pool, None where either is honest. ``during(ip)`` runs once every
-    rank runs the cell; ``prepare(marks)`` returns names the cell reads.
+    rank printed its first line; ``prepare(marks)`` returns names the cell reads.
     """
 
     id: str
@@ -103,6 +79,16 @@ def last_words_then(death: str) -> str:
     )
 
 
+# Cell code: every rank notes it is running the cell and waits until all are, so a death that follows
+# comes while every rank runs (never before another one started).
+ALL_HERE = (
+    "import os, time\n"
+    "open(f'{marks}/here-{rank}', 'w').close()\n"
+    "while len([name for name in os.listdir(marks) if name.startswith('here-')]) < world_size:\n"
+    "    time.sleep(0.01)\n"
+)
+
+
 def record(pid: str) -> str:
     """Cell code that notes a process the cell started, so the test can look for it after."""
     return f"open(f'{{marks}}/{{{pid}}}', 'w').close()\n"
@@ -112,24 +98,62 @@ def kill_the_launcher(ip) -> None:
     os.kill(ip._xla_magic_session.launcher.pid, signal.SIGKILL)
 
 
-def memory_cgroup(marks: str) -> dict[str, Any]:
-    """A cgroup v1 memory group limited to 512 MiB; the cell moves rank 0 into it."""
+def _own_group(controller: str) -> str:
+    """This process's group in the hierarchy of ``controller`` ("" for cgroup v2's unified one), from /proc/self/cgroup."""
+    with open("/proc/self/cgroup") as groups:
+        for line in groups:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            if names.split(",") == [controller] or (controller == "" and names == ""):
+                return path
+    return ""
+
+
+def _memory_group_v2() -> tuple[str, str]:
+    """A child group with memory.max under this process's cgroup v2 group (the kernel's cgroup-v2.rst)."""
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        if os.path.exists(os.path.join(root, "cgroup.controllers")):
+            break
+    else:
+        raise OSError("no cgroup v2 hierarchy is mounted")
+    parent = os.path.join(root, _own_group("").lstrip("/"))
+    with open(os.path.join(parent, "cgroup.controllers")) as available:
+        if "memory" not in available.read().split():
+            raise OSError(f"{parent} does not offer the memory controller")
+    with open(os.path.join(parent, "cgroup.subtree_control")) as enabled:
+        if "memory" not in enabled.read().split():
+            with open(os.path.join(parent, "cgroup.subtree_control"), "w") as enable:
+                enable.write("+memory")  # refused (EBUSY) where the group holds processes and is not the root
+    return os.path.join(parent, f"xla_magic-test-{os.getpid()}"), "memory.max"
+
+
+def _memory_group_v1() -> tuple[str, str]:
     root = "/sys/fs/cgroup/memory"
-    own = ""
-    try:
-        with open("/proc/self/cgroup") as groups:
-            own = next((line.split(":", 2)[2].strip() for line in groups if line.split(":")[1] == "memory"), "")
-    except OSError:
-        pass
-    path = os.path.join(root + (own if os.path.isdir(root + own) else ""), f"xla_magic-test-{os.getpid()}")
-    try:
-        os.mkdir(path)
-        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as limit:
-            limit.write(str(512 << 20))
-    except OSError as exc:
-        pytest.skip(f"no writable cgroup v1 memory controller here ({path}: {exc})")
-    _cgroups.append(path)
-    return {"cgroup": path}
+    own = _own_group("memory")
+    return os.path.join(root + (own if os.path.isdir(root + own) else ""), f"xla_magic-test-{os.getpid()}"), "memory.limit_in_bytes"
+
+
+def memory_cgroup(marks: str) -> dict[str, Any]:
+    """A memory cgroup limited to 512 MiB (v2's memory.max, else v1's limit); the cell moves rank 0 into it."""
+    refusals = []
+    for make in (_memory_group_v2, _memory_group_v1):
+        try:
+            path, limit_file = make()
+            os.mkdir(path)
+        except OSError as exc:
+            refusals.append(f"{make.__name__}: {exc}")
+            continue
+        _cgroups.append(path)
+        try:
+            with open(os.path.join(path, limit_file), "w") as limit:
+                limit.write(str(512 << 20))
+            if limit_file == "memory.max" and os.path.exists(os.path.join(path, "memory.swap.max")):
+                with open(os.path.join(path, "memory.swap.max"), "w") as swap:
+                    swap.write("0")  # killed at the limit, not swapped
+        except OSError as exc:
+            refusals.append(f"{path}/{limit_file}: {exc}")
+            continue
+        return {"cgroup": path}
+    pytest.skip("neither a cgroup v2 nor a v1 memory controller is writable here: " + "; ".join(refusals))
 
 
 _cgroups: list[str] = []
@@ -151,14 +175,14 @@ def remove_cgroups() -> None:
 CASES = [
     Case("raise-while-others-sleep", "if rank == 1:\n    raise RuntimeError('boom')\nimport time; time.sleep(600)",
          RankError, r"RuntimeError: boom", failed=[1], pool_breaks=False),
-    Case("os-exit", "print('last words', flush=True)\nif rank == 0:\n    import time; time.sleep(0.3); import os; os._exit(3)\nimport time; time.sleep(600)",
+    Case("os-exit", "print('last words', flush=True)\n" + ALL_HERE + "if rank == 0:\n    os._exit(3)\ntime.sleep(600)",
          RankError, r"exit code 3", failed=[0], pool_breaks=True),
-    Case("sigkill", "import os, signal, time\nprint('about to die', flush=True)\ntime.sleep(0.3)\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(600)",
+    Case("sigkill", "import signal\nprint('about to die', flush=True)\n" + ALL_HERE + "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(600)",
          RankError, r"SIGKILL: killed; usually the host ran out of memory[\s\S]*What to do: " + re.escape(HOST_ADVICE),
          absent=(DEVICE_ADVICE,), failed=[1], pool_breaks=True),
-    Case("segfault", "import faulthandler, time\nif rank == 0:\n    time.sleep(0.3); faulthandler._sigsegv()\ntime.sleep(600)",
+    Case("segfault", "import faulthandler\n" + ALL_HERE + "if rank == 0:\n    faulthandler._sigsegv()\ntime.sleep(600)",
          RankError, r"SIGSEGV: a native crash", failed=[0], pool_breaks=True),
-    Case("hang-in-collective", "import time\nif rank == 1:\n    time.sleep(0.5)\n    raise ValueError('left the others in a collective')\nstrategy.barrier()",
+    Case("hang-in-collective", ALL_HERE + "if rank == 1:\n    raise ValueError('left the others in a collective')\nstrategy.barrier()",
          RankError, r"ValueError: left the others in a collective", failed=[1]),
     Case("900-lines-then-os-exit", last_words_then("os._exit(1)"), RankError, r"exit code 1",
          failed=[0], pool_breaks=True, last_words=LAST_WORDS),
@@ -180,7 +204,7 @@ CASES = [
          "import subprocess\nchild = subprocess.Popen(['sleep', '300'])\n" + record("child.pid") + "rank",
          None, line=HELD_OPEN_GUARD, pool_breaks=False),
     Case("launcher-killed-mid-cell", "import time\nprint('sleeping', flush=True)\ntime.sleep(600)",
-         Exception, r"launcher[\s\S]*SIGKILL|SIGKILL[\s\S]*launcher", absent=("lost a rank", "ended without reporting"),
+         RankError, r"launcher[\s\S]*SIGKILL|SIGKILL[\s\S]*launcher", absent=("lost a rank", "ended without reporting"),
          pool_breaks=True, during=kill_the_launcher),
     Case("oom-kill-in-a-memory-cgroup",
          "import time\nif rank == 0:\n    import os\n    with open(f'{cgroup}/cgroup.procs', 'w') as procs:\n"
@@ -219,25 +243,11 @@ def pool_processes(ip) -> set[int]:
     return {pool.supervisor_pid, *pool.pids.values()}
 
 
-def assert_gone(pids: set[int]) -> None:
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    assert alive == [], f"still alive after the cell: {[(p.pid, p.cmdline()) for p in alive]}"
-
-
-def run_case(ip, case: Case, mode: str, marks: str) -> tuple[Any, BaseException | None, str, float]:
+def run_case(ip, case: Case, mode: str, marks: str) -> tuple[Any, BaseException | None, str]:
     names = {"marks": marks, **(case.prepare(marks) if case.prepare else {})}
     ip.user_ns.update(names)
-    listener = None
     if case.during is not None:
-        listener = when_running(ip, lambda: case.during(ip))
-    started = time.monotonic()
+        when(lambda: shown("[rank ") >= 2, lambda: case.during(ip))  # once every rank printed its first line
     value, error = None, None
     with capture_output() as captured:
         try:
@@ -248,13 +258,10 @@ def run_case(ip, case: Case, mode: str, marks: str) -> tuple[Any, BaseException 
                 value = ip.run_cell_magic(case.magic, line, case.cell)
         except Exception as exc:  # the case says which
             error = exc
-        finally:
-            if listener is not None and listener in ip._xla_magic_session.listeners:
-                ip._xla_magic_session.listeners.remove(listener)
-    return value, error, captured.stdout, time.monotonic() - started
+    return value, error, captured.stdout
 
 
-def shown(error: BaseException) -> str:
+def what_it_shows(error: BaseException) -> str:
     render = getattr(error, "_render_traceback_", None)
     return "\n".join(render()) if render else f"{type(error).__name__}: {error}"
 
@@ -275,7 +282,7 @@ def test_crash_table(ip, spawn, mode, case, tmp_path):
     try:
         check_case(ip, spawn, mode, case, marks)
     finally:
-        for name in os.listdir(marks):  # whatever the outcome, nothing the case started outlives it
+        for name in filter(str.isdigit, os.listdir(marks)):  # whatever the outcome, nothing the case started outlives it
             try:
                 os.kill(int(name), signal.SIGKILL)
             except ProcessLookupError:
@@ -283,16 +290,15 @@ def test_crash_table(ip, spawn, mode, case, tmp_path):
 
 
 def check_case(ip, spawn, mode: str, case: Case, marks: str) -> None:
-    value, error, stdout, took = run_case(ip, case, mode, marks)
-    assert took < HANG_BOUND, f"the cell took {took:.1f} s"
+    value, error, stdout = run_case(ip, case, mode, marks)
     if case.expect is None:
-        assert error is None, shown(error)
+        assert error is None, what_it_shows(error)
         assert value == [0, 1]
     else:
         assert isinstance(error, case.expect), f"expected {case.expect.__name__}, got {error!r}"
         if case.expect is UsageError:
             assert type(error) is UsageError
-        text = shown(error)
+        text = what_it_shows(error)
         assert re.search(case.pattern, text), text
         for words in case.absent:
             assert words not in text, text
@@ -307,27 +313,23 @@ def check_case(ip, spawn, mode: str, case: Case, marks: str) -> None:
         assert said == [f"[rank 0] line {i}" for i in range(case.last_words)], (
             f"{len(said)} of {case.last_words} lines arrived, or out of order"
         )
-    started = {int(name) for name in os.listdir(marks)}
+    started = {int(name) for name in os.listdir(marks) if name.isdigit()}
     pool = ip._xla_magic_session.pool
     kept = mode == "pool" and pool is not None and pool.state not in ("broken", "stopped")
     if kept:  # a pool is a session: what its cell started lives until it ends
         assert all(psutil.pid_exists(pid) for pid in started)
     else:
-        assert_gone(started)
+        assert wait_gone(started) == []
     if mode == "pool" and case.pool_breaks is not None and case.cell is not None:
         assert (pool.state == "broken") == case.pool_breaks, f"pool state {pool.state}: {pool.problem}"
     allowed = pool_processes(ip) | (started | kept_below(started) if kept else set()) if mode == "pool" else set()
-    deadline = time.monotonic() + 10
-    while [p for p in extension_processes(ip) if p.pid not in allowed] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in extension_processes(ip) if p.pid not in allowed]
-    assert left == [], f"left after the cell: {[(p.pid, p.cmdline()) for p in left]}"
+    assert wait_gone(p.pid for p in extension_processes(ip) if p.pid not in allowed) == []
     if case.during is not kill_the_launcher:
         assert ip._xla_magic_session.launcher.alive(), "the launcher must survive faults"
     if kept and started:
         with capture_output():
             ip.run_line_magic("xla_pool", "restart")  # ends the old ranks and all they kept
-        assert_gone(started)
+        assert wait_gone(started) == []
     assert_next_cell_works_in(ip, spawn, mode)
 
 
@@ -340,20 +342,6 @@ def kept_below(pids: set[int]) -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return found
-
-
-def when_running(ip, action: Callable[[], None], delay: float = 0.3):
-    """Run ``action`` (in a thread, ``delay`` s later) once every rank of the next run is running."""
-    session = ip._xla_magic_session
-    done = threading.Event()
-
-    def listener(record) -> None:
-        if not done.is_set() and all(s.state == "running" for s in record.ranks.values()):
-            done.set()
-            threading.Timer(delay, action).start()
-
-    session.listeners.append(listener)
-    return listener
 
 
 def test_output_before_death_reaches_the_cell(ip):
@@ -378,13 +366,16 @@ def test_segfault_shows_the_native_traceback(ip):
     assert re.search(r"\[rank 0\]\S* Fatal Python error", captured.stderr)
 
 
-def test_all_ranks_failing_the_same_way_are_folded(spawn):
-    with pytest.raises(RankError) as info:
-        spawn("--devices 8", "raise KeyError('same everywhere')")
+def test_all_ranks_failing_the_same_way_are_folded(ip, spawn, tmp_path):
+    with pytest.raises(RankError) as info:  # every rank raises once all are running the cell
+        spawn("--devices 8", ALL_HERE + "raise KeyError('same everywhere')", marks=str(tmp_path))
     error = info.value
-    # Ranks slower to fail than the fail-fast grace are stopped instead; on a
-    # loaded machine that can be any of them but the first.
-    assert len(error.ranks) >= 2
+    # Ranks slower to fail than the fail-fast grace are stopped instead (on a loaded machine, any but the
+    # first): each rank either failed, named, or was stopped; and at least two failed, to be folded.
+    states = {rank: state.state for rank, state in ip._xla_magic_session.history[-1].ranks.items()}
+    assert sorted(states) == list(range(8)) and len(error.ranks) >= 2
+    assert {rank for rank, state in states.items() if state == "failed"} == set(error.ranks)
+    assert {state for rank, state in states.items() if rank not in error.ranks} <= {"killed"}
     rendered = "\n".join(error._render_traceback_())
     assert rendered.count("KeyError: 'same everywhere'") == 2  # one traceback, one summary line
     others = ", ".join(map(str, error.ranks[1:]))
@@ -417,40 +408,19 @@ def test_object_whose_reduce_fails_stops_before_launch(ip, spawn):
 
 
 def test_timeout_stops_the_ranks_and_says_so(ip, spawn):
-    started = time.monotonic()
     with pytest.raises(RankError, match=r"timed out after 1 s \(--timeout\)"):
         spawn("--devices 2 --timeout 1", "import time\ntime.sleep(600)")
-    assert time.monotonic() - started < HANG_BOUND
     assert ip._xla_magic_session.history[-1].outcome == "timeout"
     assert_nothing_left(ip)
     assert_next_cell_works(spawn)
 
 
-def interrupt_when_running(ip, delay: float = 0.3) -> threading.Event:
-    """Send SIGINT to this process once every rank of the next run is running."""
-    sent = threading.Event()
-    session = ip._xla_magic_session
-
-    def listener(record):
-        if not sent.is_set() and all(s.state == "running" for s in record.ranks.values()):
-            sent.set()
-            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
-
-    session.listeners.append(listener)
-    return sent
-
-
 def test_interrupt_stops_the_ranks_and_the_next_cell_works(ip, spawn):
     session = ip._xla_magic_session
-    sent = interrupt_when_running(ip)
-    started = time.monotonic()
-    try:
-        with pytest.raises(RunInterrupted, match="interrupted; the ranks were stopped"):
-            spawn("--devices 2", "import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
-    finally:
-        session.listeners.clear()
+    sent = interrupt_once_shown("sleeping", 2)
+    with pytest.raises(RunInterrupted, match="interrupted; the ranks were stopped"):
+        spawn("--devices 2", "import time\nprint('sleeping', flush=True)\ntime.sleep(600)")
     assert sent.is_set()
-    assert time.monotonic() - started < HANG_BOUND
     assert session.history[-1].outcome == "interrupted"
     assert_nothing_left(ip)
     assert_next_cell_works(spawn)
@@ -458,13 +428,12 @@ def test_interrupt_stops_the_ranks_and_the_next_cell_works(ip, spawn):
 
 def test_interrupt_escalates_when_ranks_ignore_sigint(ip, spawn):
     session = ip._xla_magic_session
-    interrupt_when_running(ip)
-    cell = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)"
-    try:
-        with pytest.raises(RunInterrupted):
-            spawn("--devices 2", cell)
-    finally:
-        session.listeners.clear()
+    sent = interrupt_once_shown("deaf", 2)
+    cell = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('deaf', flush=True)\ntime.sleep(600)")
+    with pytest.raises(RunInterrupted):
+        spawn("--devices 2", cell)
+    assert sent.is_set()
     assert {s.state for s in session.history[-1].ranks.values()} == {"killed"}
     assert_nothing_left(ip)
 
@@ -515,60 +484,57 @@ def test_reader_reassembles_frames_split_anywhere():
     assert [e.fields["text"] for e in events] == [f"line {i}" for i in range(50)]
 
 
-def _listeners(pids: set[int]) -> list:
-    found = []
-    for conn in psutil.net_connections(kind="all"):
-        if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
-            found.append(conn)
-        elif conn.pid in pids and conn.family == socket.AF_UNIX and conn.laddr:
-            found.append(conn)  # a named unix socket others could connect to
-    return found
+@contextlib.contextmanager
+def every_bind_and_listen(pids: list[int], folder: str) -> Iterator[list[tuple[str, str]]]:
+    """Every bind() and listen() that ``pids`` and all they start make during the block, as strace(1) sees them.
+
+    A check that cannot miss a short-lived listener, as sampling the
+    process table can: the calls themselves, from the kernel's own report.
+    Yields a list filled, once the block ends, with (call, arguments) pairs.
+    """
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace (scripts/install-browser installs it with the browser)")
+    log = os.path.join(folder, "strace.log")
+    tracer = subprocess.Popen(["strace", "-f", "--seccomp-bpf", "-qq", "-e", "trace=bind,listen", "-o", log,
+                               *[arg for pid in pids for arg in ("-p", str(pid))]], stderr=subprocess.DEVNULL)
+    calls: list[tuple[str, str]] = []
+    try:
+        assert wait_for(lambda: all(traced_by(pid) == tracer.pid for pid in pids)), "strace did not attach"
+        yield calls
+    finally:
+        tracer.send_signal(signal.SIGINT)  # strace detaches and exits
+        tracer.wait(60)
+    with open(log) as lines:
+        calls.extend(re.findall(r"^\d+\s+(bind|listen)\((.*)$", lines.read(), re.M))
 
 
-def test_no_listener_is_open_during_a_run(ip, spawn):
+def traced_by(pid: int) -> int:
+    """The pid tracing ``pid`` (0: none), as /proc says."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("TracerPid:")))
+
+
+def test_no_listener_is_open_during_a_run(ip, spawn, tmp_path):
     """Our channel is inherited socket pairs: nothing anyone could connect to.
 
     gloo (only once a cell uses a collective) and the XLA runtime open ports of
-    their own on loopback; this cell uses neither, so nothing may listen at all.
+    their own on loopback; this cell uses neither, so nothing may listen at all,
+    nor bind a unix socket to a name (a path or an abstract name) others could reach.
     """
-    seen: list = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            pids = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-            seen.extend(_listeners(pids))
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        spawn("--devices 2", "import time\ntime.sleep(1.5)\nrank")
-    finally:
-        done.set()
-        watcher.join()
-    assert seen == []
+    launcher = ip._xla_magic_session.ready_launcher().pid
+    with every_bind_and_listen([os.getpid(), launcher], str(tmp_path)) as calls:
+        spawn("--devices 2", "rank")
+    assert [args for call, args in calls if call == "listen"] == []
+    assert [args for call, args in calls if "AF_UNIX" in args and "sun_path=" in args] == []
 
 
-def test_collectives_listen_on_loopback_only(ip, spawn):
-    seen: list = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            pids = {p.pid for p in psutil.Process().children(recursive=True)}
-            seen.extend(c for c in _listeners(pids) if c.family != socket.AF_UNIX)
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        spawn("--devices 2", "import time\nstrategy.barrier()\ntime.sleep(1.5)\nrank")
-    finally:
-        done.set()
-        watcher.join()
-    assert seen, "gloo opened no listener: the cell did not exercise a collective"
-    assert all(conn.laddr.ip in ("127.0.0.1", "::1") for conn in seen), seen
+def test_collectives_listen_on_loopback_only(ip, spawn, tmp_path):
+    launcher = ip._xla_magic_session.ready_launcher().pid
+    with every_bind_and_listen([launcher], str(tmp_path)) as calls:
+        spawn("--devices 2", "strategy.barrier()\nrank")
+    assert [call for call, _ in calls if call == "listen"], "gloo opened no listener: the cell did not exercise a collective"
+    inet = [args for call, args in calls if call == "bind" and "AF_INET" in args]
+    assert inet and all('inet_addr("127.0.0.1")' in args or '"::1"' in args for args in inet), inet
 
 
 def test_flood_keeps_every_line_and_folds_the_display(spawn):
@@ -583,18 +549,30 @@ def test_flood_keeps_every_line_and_folds_the_display(spawn):
         assert numbers == [str(i) for i in range(lines)], f"rank {r}"
 
 
-@pytest.mark.parametrize(
-    "message, advice",
-    [
-        ("The TPU is already in use by process with pid 4242.", "another process holds the TPU"),
-        ("open(/dev/accel0): Operation not permitted: Operation not permitted", "TPU build of TensorFlow"),
-        ("Couldn't open iommu group /dev/vfio/0", "TPU build of TensorFlow"),
-        ("RESOURCE_EXHAUSTED: Attempting to reserve 12.5G at the bottom of memory", "a device ran out of memory"),
-        ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
-         "memory space hbm. Used 20.5G of 15.48G hbm.", "a device ran out of memory"),
-        ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes.", HOST_ADVICE),
-    ],
-)
+# The runtime's own words, each as a public report quotes it (the runtimes are closed source, or the words
+# come from a C++ build we only have compiled); the host allocator's is torch's own, raised for real below.
+RUNTIME_MESSAGES = [
+    # jax-ml/jax#13260 (libtpu, the same runtime torch_xla's PJRT loads)
+    ("ABORTED: The TPU is already in use by process with pid 4242. Not attempting to load libtpu.so in this process.",
+     "another process holds the TPU"),
+    # pytorch/xla#9604
+    ("RuntimeError: Bad StatusOr access: UNKNOWN: TPU initialization failed: open(/dev/accel2): Operation not permitted",
+     "TPU build of TensorFlow"),
+    # pytorch/xla#3165
+    ("Invalid argument: Invalid fd: -1; Couldn't open device: /dev/accel0 (Operation not permitted)",
+     "TPU build of TensorFlow"),
+    # pytorch/xla#3532
+    ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 29.80G of 7.98G hbm. Exceeded hbm capacity by 21.82G.",
+     "a device ran out of memory"),
+    # erfanzar/EasyDeL#142 (the TPU compiler's own words, through PJRT)
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 30.21G of "
+     "15.48G hbm. Exceeded hbm capacity by 14.73G.", "a device ran out of memory"),
+]
+
+
+@pytest.mark.parametrize("message, advice", RUNTIME_MESSAGES, ids=["tpu-in-use", "accel-not-permitted",
+                                                                      "accel-device-not-permitted", "hbm-oom",
+                                                                      "hbm-oom-at-compile"])
 def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
     """The runtime's own messages, raised where the runtime raises them: in a rank."""
     with pytest.raises(RankError) as info:
@@ -602,22 +580,24 @@ def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
     rendered = "\n".join(info.value._render_traceback_())
     assert "What to do: " in rendered and advice in rendered
     assert re.search(r"What to do: .* See docs/troubleshooting\.md#[a-z0-9-]+\.$", rendered, re.MULTILINE), rendered
-    if advice == HOST_ADVICE:
-        assert DEVICE_ADVICE not in rendered
-    else:
-        assert HOST_ADVICE not in rendered
+    assert HOST_ADVICE not in rendered
+
+
+def test_the_host_allocators_own_error_gets_the_host_advice(spawn):
+    """torch's CPU allocator refusing an allocation no host has (64 TiB), in a rank: its words, not ours."""
+    with pytest.raises(RankError) as info:
+        spawn("--devices 2", "import torch\ntorch.empty(1 << 46, dtype=torch.uint8)")
+    rendered = strip_ansi("\n".join(info.value._render_traceback_()))
+    assert "DefaultCPUAllocator" in rendered  # c10/core/impl/alloc_cpu.cpp
+    assert "What to do: " in rendered and HOST_ADVICE in rendered
+    assert re.search(r"What to do: .* See docs/troubleshooting\.md#[a-z0-9-]+\.$", rendered, re.MULTILINE), rendered
+    assert DEVICE_ADVICE not in rendered
 
 
 def test_subprocesses_a_cell_leaves_behind_are_ended(ip, spawn):
     cell = "import subprocess\nchild = subprocess.Popen(['sleep', '300'])\nchild.pid"
-    started = time.monotonic()
     run = spawn("--devices 2", cell)
-    assert time.monotonic() - started < HANG_BOUND
-    for pid in run.value:
-        deadline = time.monotonic() + 10
-        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert wait_gone(run.value) == []
     assert_nothing_left(ip)
 
 
@@ -651,10 +631,8 @@ def test_an_exception_whose_str_fails_is_still_reported(spawn, monkeypatch, back
         "    raise Unprintable()\n"
         "rank"
     )
-    started = time.monotonic()
     with pytest.raises(RankError, match="Unprintable") as info:
         spawn(f"--devices 2 --backend {backend}", cell)
-    assert time.monotonic() - started < HANG_BOUND
     assert info.value.ranks == [0]
     assert "str() of this Unprintable failed: RuntimeError: no words" in str(info.value)
     assert "raise Unprintable()" in "\n".join(info.value._render_traceback_())
@@ -668,33 +646,29 @@ def test_one_shot_tpu_path_ranks_get_the_interrupt(ip, spawn, monkeypatch, tmp_p
     cell = (
         "import time\n"
         "try:\n"
+        "    print('waiting', flush=True)\n"
         "    while True:\n"
         "        time.sleep(0.05)\n"
         "except KeyboardInterrupt:\n"
         "    open(f'{marks}/{rank}', 'w').close()\n"
         "    raise\n"
     )
-    sent = interrupt_when_running(ip)
-    try:
-        with pytest.raises(RunInterrupted):
-            spawn("--backend tpu --devices 2", cell, marks=str(tmp_path))
-    finally:
-        session.listeners.clear()
+    sent = interrupt_once_shown("waiting", 2)
+    with pytest.raises(RunInterrupted):
+        spawn("--backend tpu --devices 2", cell, marks=str(tmp_path))
     assert sent.is_set()
     assert sorted(os.listdir(tmp_path)) == ["0", "1"]
     assert session.history[-1].outcome == "interrupted"
     assert_nothing_left(ip)
 
 
-def test_a_rank_process_dying_mid_cell_on_the_tpu_path_is_not_a_launch_failure(spawn, monkeypatch):
+def test_a_rank_process_dying_mid_cell_on_the_tpu_path_is_not_a_launch_failure(spawn, monkeypatch, tmp_path):
     """xmp.spawn's process pool breaks (BrokenProcessPool) when a rank's process
     is killed; ranks that were running the cell died, they were not left unstarted."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")  # the tpu launch path: rank threads in one pool process
-    cell = "import os, signal, time\ntime.sleep(0.5)\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(600)"
-    started = time.monotonic()
+    cell = "import signal\n" + ALL_HERE + "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(600)"
     with pytest.raises(RankError) as info:
-        spawn("--backend tpu --devices 2", cell)
-    assert time.monotonic() - started < HANG_BOUND
+        spawn("--backend tpu --devices 2", cell, marks=str(tmp_path))
     rendered = "\n".join(info.value._render_traceback_())
     assert "rank 1's process ended during the cell: " in rendered
     assert "BrokenProcessPool" in rendered

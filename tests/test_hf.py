@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from conftest import kernel_is_xla_free
+from helpers import strip_ansi
 from xla_magic.display import RankError
 
 pytestmark = pytest.mark.skipif(
@@ -186,7 +186,7 @@ def test_hf_trainer_trains_evaluates_and_saves_at_8_ranks_as_one_process_does(sp
 def test_hf_trainers_default_fused_adamw_says_what_to_do(spawn, tmp_path):
     with pytest.raises(RankError) as info:
         spawn("--devices 1", TRAINER.replace("OPTIM", ""), out=str(tmp_path))  # at its first step
-    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(info.value._render_traceback_()))
+    text = strip_ansi("\n".join(info.value._render_traceback_()))
     assert "`fused=True` requires all the params to be floating point Tensors of supported devices" in text
     assert 'What to do: ' in text and 'optim="adamw_torch"' in text
 

@@ -6,58 +6,34 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
-import time
 
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, launch_template, make_hosts,
-                                  start_line,
+from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members, launch_template,
                                   wait_until_empty)
+from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
+from helpers import interrupt_once_shown, pool_magic, shown, wait_for, when
 from xla_magic.display import RankError, RunInterrupted
 
 WORLD = 2 * RANKS_PER_HOST
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    simulated = make_hosts(1)
-    try:
-        yield simulated
-    finally:
-        simulated.down()
+HOSTS_TAG = 1  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
 
 
-@pytest.fixture(scope="module")
-def pool(ip, hosts):
-    with capture_output() as shown:
-        ip.run_line_magic("xla_pool", start_line(hosts))
-    assert "pool ready" in shown.stdout and "2 hosts x 2 ranks" in shown.stdout
-    try:
-        yield ip._xla_magic_session.hosts
-    finally:
-        ip.run_line_magic("xla_pool", "stop")
+@pytest.fixture
+def no_pool(ip):
+    """No pool is running (the module's is stopped, if an earlier test started it; the next ``pool`` starts it again)."""
+    if ip._xla_magic_session.current_hosts() is not None:
+        assert "pool stopped" in pool_magic(ip, "stop")
 
 
 def cell(ip, source: str, line: str = ""):
     with capture_output() as shown:
         value = ip.run_cell_magic("xla_spawn", line, source)
     return value, shown.stdout, shown.stderr
-
-
-def interrupt_when_shown(text: str, times: int) -> None:
-    """SIGINT this process (the stop button) once ``text`` was shown ``times`` times in the running cell."""
-    stdout = sys.stdout  # capture_output's buffer, which the cell writes to
-
-    def watch() -> None:
-        deadline = time.monotonic() + 120
-        while stdout.getvalue().count(text) < times and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 # --- one world ------------------------------------------------------------------
@@ -192,9 +168,10 @@ def test_a_failing_rank_on_one_host_stops_the_cell_on_every_host(ip, pool):
 def test_interrupt_stops_the_cell_on_every_host_and_keeps_the_pool(ip, pool):
     cell(ip, "survivor = rank + 1")
     with capture_output():
-        interrupt_when_shown("spinning", WORLD)
+        pressed = interrupt_once_shown("spinning", WORLD)
         with pytest.raises(RunInterrupted, match="stopped on every host"):
             ip.run_cell_magic("xla_spawn", "", "print('spinning', flush=True)\nwhile True:\n    spin = 1\n")
+    assert pressed.is_set()
     value, _, _ = cell(ip, "survivor")
     assert value == [r + 1 for r in range(WORLD)]
 
@@ -237,15 +214,14 @@ def test_a_dead_launcher_fails_the_cell_naming_its_host_and_breaks_the_pool(ip, 
 
 
 def wait_until_empty_of(hosts, index: int, within: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + within
-    while hosts.processes(hosts.address(index)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    """What is still running on host ``index`` once it is empty (``[]``) or ``within`` s passed."""
+    wait_for(lambda: not hosts.processes(hosts.address(index)), within, every=0.2)
     return hosts.processes(hosts.address(index))
 
 
 def test_nothing_is_left_on_any_host_after_stop(ip, pool, hosts):
     assert any(hosts.processes(address) for address in hosts.addresses())  # engines, launchers, ranks
-    controller = ip._xla_magic_session.hosts.cluster.controller.process.pid  # the restarted pool's
+    controller = ip._xla_magic_session.hosts.cluster.controller.process.pid
     with capture_output() as shown:
         ip.run_line_magic("xla_pool", "stop")
     assert "pool stopped" in shown.stdout
@@ -254,7 +230,7 @@ def test_nothing_is_left_on_any_host_after_stop(ip, pool, hosts):
 
 
 
-def test_a_launch_command_that_fails_says_which_host_and_leaves_nothing(ip, hosts):
+def test_a_launch_command_that_fails_says_which_host_and_leaves_nothing(ip, hosts, no_pool):
     # Host 1's launch fails (as an ssh to a host that is down would); host 0's engine starts, and must go again.
     unless = os.path.join(os.path.dirname(__file__), "launch_unless.sh")
     template = f"sh {unless} 1 {{index}} {{host}} " + launch_template(hosts)
@@ -267,7 +243,7 @@ def test_a_launch_command_that_fails_says_which_host_and_leaves_nothing(ip, host
     assert wait_until_empty(hosts) == {}
 
 
-def test_bad_host_options_are_usage_errors(ip):
+def test_bad_host_options_are_usage_errors(ip, no_pool):
     with pytest.raises(UsageError, match=r"\{host\} and \{index\} only"):
         ip.run_line_magic("xla_pool", "start --hosts 10.213.250.2 --launch 'ssh {user}@{host}'")
     with pytest.raises(UsageError, match="names a host twice"):
@@ -281,14 +257,6 @@ def test_bad_host_options_are_usage_errors(ip):
 def kill_once_every_rank_waits(ip, pid: int) -> None:
     """Run a cell whose every rank prints 'waiting' and spins; SIGKILL ``pid`` once all have printed it."""
     source = "print('waiting', flush=True)\nwhile True:\n    spin = 1\n"
-
-    def kill_when_running() -> None:
-        stdout = sys.stdout
-        deadline = time.monotonic() + 120
-        while stdout.getvalue().count("waiting") < WORLD and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(pid, signal.SIGKILL)
-
     with capture_output():
-        threading.Thread(target=kill_when_running, daemon=True).start()
+        when(lambda: shown("waiting") >= WORLD, lambda: os.kill(pid, signal.SIGKILL))
         ip.run_cell_magic("xla_spawn", "", source)

@@ -17,29 +17,13 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST, make_hosts, start_line
+from tests.hosts_fixtures import RANKS_PER_HOST
+from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
 
 WORLD = 2 * RANKS_PER_HOST
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    simulated = make_hosts(3)
-    try:
-        yield simulated
-    finally:
-        simulated.down()
-
-
-@pytest.fixture(scope="module")
-def pool(ip, hosts):
-    with capture_output() as shown:
-        ip.run_line_magic("xla_pool", start_line(hosts))
-    assert "pool ready" in shown.stdout
-    try:
-        yield hosts_pool(ip)
-    finally:
-        ip.run_line_magic("xla_pool", "stop")
+HOSTS_TAG = 3  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
 
 
 def hosts_pool(ip):

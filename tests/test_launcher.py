@@ -11,9 +11,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
-import time
 
 import psutil
 import pytest
@@ -21,8 +21,9 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from test_faults import assert_nothing_left
-from xla_magic import launcher_client, transport
+from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
+from xla_magic import launcher_client, protocol, transport
+from xla_magic.request import Request
 from xla_magic.display import RankError, RunInterrupted
 
 
@@ -54,19 +55,9 @@ def resume(launcher: launcher_client.Launcher) -> None:
         os.kill(launcher.pid, signal.SIGCONT)
 
 
-def interrupt_once_sent(launcher: launcher_client.Launcher) -> threading.Thread:
-    """Press the stop button once the launcher has the job and the kernel waits for its answer."""
-
-    def press() -> None:
-        deadline = time.monotonic() + 30
-        while launcher.in_step and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)  # the JOB is in the socket's buffer; the kernel sits in recv
-        os.kill(os.getpid(), signal.SIGINT)
-
-    presser = threading.Thread(target=press)
-    presser.start()
-    return presser
+def interrupt_once_sent(launcher: launcher_client.Launcher) -> threading.Event:
+    """Press the stop button once the launcher has the job and the kernel waits for its answer (sits in recv)."""
+    return interrupt_when(lambda: not launcher.in_step and main_thread_in(protocol.Channel.recv))
 
 
 def test_an_interrupt_while_the_launcher_takes_a_cell_costs_the_launcher_not_the_next_cell(ip, spawn):
@@ -75,13 +66,13 @@ def test_an_interrupt_while_the_launcher_takes_a_cell_costs_the_launcher_not_the
     session = ip._xla_magic_session
     old = session.ready_launcher()
     os.kill(old.pid, signal.SIGSTOP)  # takes the job into its socket buffer, never answers
-    presser = interrupt_once_sent(old)
+    pressed = interrupt_once_sent(old)
     try:
         with pytest.raises(KeyboardInterrupt) as info:
             spawn("--devices 2", "rank")
     finally:
-        presser.join()
         resume(old)
+    assert pressed.is_set()
     assert type(info.value) is RunInterrupted, repr(info.value)
     assert "the launcher was stopped" in str(info.value)
     assert not old.alive() and session.launcher is None
@@ -213,23 +204,18 @@ def test_another_interrupt_while_the_ranks_are_stopped_still_ends_the_run(ip):
         "    print(i)\n"
         "time.sleep(600)\n"
     )
-    pressed = threading.Event()
+    printed = threading.Event()
 
     def listener(record):
-        if not pressed.is_set() and record.ranks[0].lines >= 1100:
-            pressed.set()
-            for delay in (0.2, 0.7):
-                threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+        if record.ranks[0].lines >= 1100:
+            printed.set()
 
-    session.listeners.append(listener)
-    started = time.monotonic()
-    try:
-        with capture_output() as captured, pytest.raises(KeyboardInterrupt) as info:
-            ip.run_cell_magic("xla_spawn", "--devices 1", cell)
-    finally:
-        session.listeners.remove(listener)
+    # The first press once the rank printed it all (it ignores SIGINT by then); the second once the kernel
+    # is in the escalation that the first started.
+    pressed = interrupt_when(printed.is_set, then=lambda: main_thread_in(Request._escalate))
+    with Listening(session, listener), capture_output() as captured, pytest.raises(KeyboardInterrupt) as info:
+        ip.run_cell_magic("xla_spawn", "--devices 1", cell)
     assert pressed.is_set()
-    assert time.monotonic() - started < 30
     assert type(info.value) is RunInterrupted, repr(info.value)
     assert session.history[-1].outcome == "interrupted"
     log = re.search(r"every line goes to (\S+)", captured.stdout).group(1)
@@ -246,14 +232,13 @@ def test_an_interrupted_unload_still_ends_the_session(ip, spawn):
     assert log.startswith(workdir + os.sep) and os.path.exists(log)  # the cell showed its path: it stays
     launcher = session.ready_launcher()
     os.kill(launcher.pid, signal.SIGSTOP)  # it will not answer STOP, so unloading waits for it
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    pressed = interrupt_when(lambda: main_thread_in(launcher_client.Launcher.stop))  # the wait
     try:
         with pytest.raises(KeyboardInterrupt):
             ip.run_line_magic("unload_ext", "xla_magic")
     finally:
-        timer.join()
         resume(launcher)
+    assert pressed.is_set()
     try:
         assert ip._xla_magic_session is None
         assert not launcher.alive()
@@ -285,7 +270,9 @@ def test_a_killed_kernel_s_directory_is_removed_by_the_next_session():
         "print(session.workdir.new('logs-1-'), flush=True)\n"
         "import time; time.sleep(60)\n"
     )
-    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # The same temporary folder as this process's (conftest.py gives the tests one of their own).
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": tempfile.gettempdir()})
     try:
         logs = kernel.stdout.readline().strip()
     finally:

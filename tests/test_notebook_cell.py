@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from xla_magic import place
-from xla_magic.display import CellSyntaxError
+from xla_magic.display import CellSyntaxError, RankError
 
 PLACEMENTS = {
     "cpu": "--devices 2",
@@ -111,7 +111,7 @@ def test_a_directory_the_ranks_cannot_enter_is_an_error_naming_it(ip, kernel_pla
     # As on another host: the kernel's directory is not there for the ranks.
     missing = str(kernel_place / "only-on-the-kernels-host")
     monkeypatch.setattr(place, "current", lambda environment=None: {"cwd": missing, "path": ()})
-    with pytest.raises(Exception) as info:
+    with pytest.raises(RankError) as info:
         run(ip, "--devices 2", "1")
     message = "\n".join(info.value._render_traceback_())
     assert missing in message and "%cd" in message
@@ -121,7 +121,7 @@ def test_a_directory_the_ranks_cannot_enter_is_an_error_naming_it(ip, kernel_pla
 def test_a_notebook_function_whose_module_the_ranks_cannot_import_is_an_error_naming_it(ip, kernel_place, monkeypatch):
     ip.run_cell("import mymodel\ndef helper(x):\n    return mymodel.f(x)")
     monkeypatch.setattr(place, "current", lambda environment=None: {"cwd": str(kernel_place), "path": ()})  # the path stays behind
-    with pytest.raises(Exception) as info:
+    with pytest.raises(RankError) as info:
         run(ip, "--devices 2", "helper(rank)")
     message = "\n".join(info.value._render_traceback_())
     assert "need the module 'mymodel'" in message and "sys.path" in message

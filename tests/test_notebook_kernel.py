@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 
-from test_kernel import execute, notebook, stream, text_of
+from helpers import execute, notebook, stream, text_of
 
 SET_UP = """
 import os, sys, tempfile

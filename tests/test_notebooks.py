@@ -21,6 +21,7 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.magic_arguments import parse_argstring
 
+from helpers import strip_ansi
 from xla_magic.magics import XlaMagics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +169,7 @@ def test_quickstart_lightning_trains_across_the_ranks(quickstart):
     shown = "".join(out.text for out in trainer.outputs if out.output_type == "stream")
     # Lightning's progress bar is rich's where rich is installed: its colours
     # and cursor codes around the text, which a notebook does not show.
-    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown)
+    shown = strip_ansi(shown)
     assert "[rank 0] Epoch 14" in shown and "[rank 1]" not in shown  # progress and logs from rank 0 only
     check = stdout(cell_with(quickstart, "Lightning on"))
     assert "Lightning on 4 ranks, the same weights everywhere: True" in check

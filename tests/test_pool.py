@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
-import glob
 import os
 import re
+import select
 import signal
-import tempfile
-import threading
-import time
+import socket
+import struct
+import termios
 
 import numpy as np
 import psutil
@@ -19,30 +20,16 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import BACKING, kernel_is_xla_free
+from helpers import (WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in, pool_magic,
+                     press_stop, shown, wait_for, wait_gone, when)
 from xla_magic import transport
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
-
-
-def pool_magic(ip, line: str) -> str:
-    with capture_output() as captured:
-        ip.run_line_magic("xla_pool", line)
-    return captured.stdout
+from xla_magic.ranks import Ranks
+from xla_magic.request import Request
 
 
 def pool_pids(ip) -> set[int]:
     return set(ip._xla_magic_session.pool.pids.values())
-
-
-def gone(pids: set[int]) -> bool:
-    """Every one of ``pids`` has ended (waits for the exits already under way)."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def segments_left() -> list[str]:
@@ -80,39 +67,31 @@ def thread_pool(ip, monkeypatch):
         pool_magic(ip, "stop")
 
 
-def interrupt_once_running(ranks: int, seen: list | None = None, again_after: float | None = None) -> str:
-    """A folder; once ``ranks`` files are in it, SIGINT this process (the stop button).
-
-    Just before, it appends the segments in /dev/shm at that moment to ``seen``.
-    With ``again_after``, it interrupts a second time that many seconds later.
-    """
-    folder = tempfile.mkdtemp(prefix="xla_magic-test-")
-
-    def watch() -> None:
-        deadline = time.monotonic() + 60
-        while len(glob.glob(os.path.join(folder, "*"))) < ranks and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if seen is not None:
-            seen.append(segments_left())
-        os.kill(os.getpid(), signal.SIGINT)
-        if again_after is not None:
-            time.sleep(again_after)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return folder
+def got_sigint(pid: int) -> bool:
+    """SIGINT reached ``pid``: it waits there (a stopped process takes it once continued), or ``pid`` was
+    continued already (the kernel sends SIGCONT with its SIGINT), or has gone; as /proc says."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            fields = dict(line.split(":", 1) for line in status)
+    except FileNotFoundError:
+        return True
+    pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return not fields["State"].strip().startswith("T") or bool(pending & (1 << (signal.SIGINT - 1)))
 
 
-def when_requested(ip, action) -> None:
-    """Run ``action`` in a thread as soon as the next request goes to the ranks (once)."""
-    session = ip._xla_magic_session
+def peer_closed(sock) -> bool:
+    """The other end of ``sock`` closed (what the kernel reads next is the end), nothing read from it here."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
 
-    def listener(record) -> None:
-        if all(state.state == "running" for state in record.ranks.values()):
-            session.listeners.remove(listener)
-            threading.Thread(target=action, daemon=True).start()
 
-    session.listeners.append(listener)
+def unsent(sock) -> int:
+    """Bytes written on ``sock`` that its peer has not read yet (SIOCOUTQ, Linux's unix(7))."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 def epoll_descriptors() -> int:
@@ -146,13 +125,13 @@ def test_start_state_restart_and_stop(ip, spawn):
 
         pool_magic(ip, "restart")
         second = pool_pids(ip)
-        assert second.isdisjoint(first) and gone(first)
+        assert second.isdisjoint(first) and wait_gone(first) == []
         with pytest.raises(RankError, match="NameError"):
             spawn("", "kept")  # a restart starts fresh namespaces
         assert "1 cell(s) run" in pool_magic(ip, "")
     finally:
         assert "pool stopped" in pool_magic(ip, "stop")
-    assert gone(second)
+    assert wait_gone(second) == []
     assert "no pool is running" in pool_magic(ip, "")
     assert "no pool is running" in pool_magic(ip, "stop")
     assert spawn("--devices 2", "rank").value == [0, 1]  # one-shot again
@@ -381,9 +360,17 @@ def test_a_changed_large_value_reaches_the_next_cell_and_a_dropped_one_is_let_go
         assert total == 2.0 * 512 * 512
 
 
-def test_interrupt_while_a_large_value_is_shipped_leaves_nothing_and_keeps_it(ip, pool, spawn):
+def test_interrupt_while_a_large_value_is_shipped_leaves_nothing_and_keeps_it(ip, pool, spawn, marks):
     seen: list[list[str]] = []
-    ip.user_ns.update(weights=torch.ones(BIG), marks=interrupt_once_running(2, seen))
+    ip.user_ns["weights"] = torch.ones(BIG)
+
+    def every_rank_in_its_loop() -> bool:
+        if len(os.listdir(marks)) < 2:
+            return False
+        seen.append(segments_left())  # the segments in /dev/shm at that moment
+        return True
+
+    interrupt_when(every_rank_in_its_loop)
     with pytest.raises(RunInterrupted, match="keeps its ranks"):
         spawn("", "summed_before = float(weights.sum())\n" + BUSY_UNTIL_INTERRUPTED)
     assert len(seen[0]) == 1 and segments_left() == []  # there during the cell, gone after
@@ -452,10 +439,10 @@ def test_a_second_identical_cell_compiles_nothing(pool, spawn):
 # --- interrupts and crashes ---------------------------------------------------------
 
 
-def test_interrupt_stops_the_cell_and_keeps_the_pool(ip, pool, spawn):
+def test_interrupt_stops_the_cell_and_keeps_the_pool(ip, pool, spawn, marks):
     spawn("", "survivor = rank * 7")
     before = pool_pids(ip)
-    ip.user_ns["marks"] = interrupt_once_running(2)
+    interrupt_once_written(marks, 2)
     with pytest.raises(RunInterrupted, match="keeps its ranks"):
         spawn("", BUSY_UNTIL_INTERRUPTED)
     assert pool.state == "ready"
@@ -470,13 +457,13 @@ def test_timeout_stops_the_cell_and_keeps_the_pool(ip, pool, spawn):
     assert spawn("", "survivor").value == [0, 1]
 
 
-def test_ranks_that_ignore_interrupts_break_the_pool_and_the_next_cell_says_so(ip, pool, spawn):
+def test_ranks_that_ignore_interrupts_break_the_pool_and_the_next_cell_says_so(ip, pool, spawn, marks):
     pids = pool_pids(ip)
-    ip.user_ns["marks"] = interrupt_once_running(2)
+    interrupt_once_written(marks, 2)
     cell = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" + BUSY_UNTIL_INTERRUPTED
     with pytest.raises(RunInterrupted, match="%xla_pool restart"):
         spawn("", cell)
-    assert pool.state == "broken" and gone(pids)
+    assert pool.state == "broken" and wait_gone(pids) == []
     with pytest.raises(UsageError, match="broken.*%xla_pool restart"):
         spawn("", "rank")
     assert "broken" in pool_magic(ip, "")
@@ -499,7 +486,7 @@ def test_a_crashed_rank_breaks_the_pool_and_the_next_cell_does_not_hang(ip, pool
         spawn("", cell)
     assert 1 in info.value.ranks
     assert "%xla_pool restart" in "\n".join(info.value._render_traceback_())
-    assert gone(pids)
+    assert wait_gone(pids) == []
     with pytest.raises(UsageError, match="%xla_pool restart"):
         spawn("", "rank")
 
@@ -508,7 +495,7 @@ def test_a_rank_killed_between_cells_is_noticed_before_the_next_cell_runs(ip, po
     spawn("", "rank")
     victim = ip._xla_magic_session.pool.pids[1]
     os.kill(victim, signal.SIGKILL)
-    assert gone({victim})
+    assert wait_for(lambda: peer_closed(pool.events[1].sock))  # its death is there for the kernel to read
     with pytest.raises(UsageError, match="lost a rank.*nothing ran"):
         spawn("", "rank")
     with pytest.raises(UsageError, match="broken"):
@@ -520,9 +507,8 @@ def test_an_interrupt_that_comes_before_a_rank_reads_its_request_still_stops_the
     pids = list(pool.pids.values())
 
     def interrupt_then_wake_the_ranks() -> None:
-        time.sleep(0.3)  # the request is in the ranks' sockets; they are stopped, so unread
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.3)  # the kernel's first SIGINT is pending in the stopped ranks
+        press_stop()
+        wait_for(lambda: all(got_sigint(pid) for pid in pids))  # the kernel's SIGINT reached the stopped ranks
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGCONT)  # they take it while idle (ignored), then read the cell
@@ -531,14 +517,16 @@ def test_an_interrupt_that_comes_before_a_rank_reads_its_request_still_stops_the
 
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
-    when_requested(ip, interrupt_then_wake_the_ranks)
+    # Once the request is in the ranks' sockets (the kernel waits for answers): they are stopped, so it is unread.
+    pressed = when(lambda: main_thread_in(Request._pump) and all(unsent(pool.events[r].sock) for r in pool.pids),
+                   interrupt_then_wake_the_ranks)
     try:
         with pytest.raises(RunInterrupted, match="keeps its ranks"):
             spawn("", "while True:\n    spin = 1")
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
-    assert pool.state == "ready"
+    assert pressed.is_set() and pool.state == "ready"
     assert spawn("", "survivor").value == [0, 1]
 
 
@@ -547,11 +535,13 @@ def test_an_interrupt_while_a_request_is_sent_breaks_the_pool_and_leaks_nothing(
     pids = pool.pids
     os.kill(pids[0], signal.SIGSTOP)  # rank 0 reads nothing: the large request below fills its socket
     ip.user_ns["bulky"] = list(range(2_000_000))  # ~10 MB of pickle, sent inline
-    when_requested(ip, lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGINT)))
+    # Once part of it waits in rank 0's socket, the kernel still sending the rest.
+    pressed = interrupt_when(lambda: main_thread_in(Ranks.send) and unsent(pool.events[0].sock) > 0)
     with pytest.raises(RunInterrupted, match="request to rank 0 was cut off.*%xla_pool restart"):
         spawn("", "len(bulky)")
+    assert pressed.is_set()
     del ip.user_ns["bulky"]
-    assert pool.state == "broken" and gone(set(pids.values()))
+    assert pool.state == "broken" and wait_gone(pids.values()) == []
     assert ip._xla_magic_session.history[-1].outcome == "interrupted"
     assert epoll_descriptors() == selectors_before  # the pool's own, and no other
     with pytest.raises(UsageError, match="broken"):
@@ -578,34 +568,34 @@ def test_a_rank_that_keeps_printing_in_the_background_does_not_hold_up_its_cells
 # --- the tpu launch path (rank threads) ---------------------------------------------
 
 
-def test_tpu_launch_path_keeps_namespaces_and_survives_an_interrupt(ip, thread_pool, spawn):
+def test_tpu_launch_path_keeps_namespaces_and_survives_an_interrupt(ip, thread_pool, spawn, marks):
     assert thread_pool.backend == "tpu" and thread_pool.cpu_threads
     run = spawn("", "import os, threading\nkept = (rank, os.getpid())\nthreading.current_thread().name")
     assert all(name != "MainThread" for name in run.value)
     # Rank threads share a process, yet each maps its own copy-on-write view.
     ip.user_ns["weights"] = torch.zeros(BIG)
-    cell = "import time\nweights[rank] = 1 + rank\ntime.sleep(0.3)\nweights[:2].tolist()"
-    assert spawn("", cell).value == [[1.0, 0.0], [0.0, 2.0]]
+    assert spawn("", WRITE_MEET_READ).value == [[1.0, 0.0], [0.0, 2.0]]  # while both run
     assert spawn("", "weights[:2].tolist()").value == [[0.0, 0.0]] * 2
     assert float(ip.user_ns["weights"].abs().sum()) == 0.0 and segments_left() == []
-    ip.user_ns["marks"] = interrupt_once_running(2)
+    interrupt_once_written(emptied(marks), 2)
     with pytest.raises(RunInterrupted, match="keeps its ranks"):
         spawn("", BUSY_UNTIL_INTERRUPTED)
     values = spawn("", "kept").value
     assert [r for r, _ in values] == [0, 1] and len({pid for _, pid in values}) == 1
 
 
-def test_rank_threads_in_native_code_are_waited_for_and_a_second_interrupt_stops_them(ip, thread_pool, spawn):
+def test_rank_threads_in_native_code_are_waited_for_and_a_second_interrupt_stops_them(ip, thread_pool, spawn, marks):
     spawn("", "survivor = rank")
     # time.sleep is native code: a rank thread takes its KeyboardInterrupt only once it returns.
-    ip.user_ns["marks"] = interrupt_once_running(2)
+    interrupt_once_written(marks, 2)
     sleeper = "import time\nopen(f'{marks}/{rank}', 'w').close()\ntime.sleep(4)\nwhile True:\n    spin = 1\n"
     with capture_output() as captured, pytest.raises(RunInterrupted, match="keeps its ranks"):
         ip.run_cell_magic("xla_spawn", "", sleeper)
     assert "waiting up to 30 s for rank(s) 0, 1 to leave native code; interrupt again" in captured.stdout
     assert thread_pool.state == "ready" and spawn("", "survivor").value == [0, 1]
 
-    ip.user_ns["marks"] = interrupt_once_running(2, again_after=4.0)
+    # The second press once the kernel says it waits for native code (which asks for one).
+    interrupt_once_written(emptied(marks), 2, then=lambda: shown("interrupt again"))
     with capture_output() as captured, pytest.raises(RunInterrupted, match="second interrupt.*%xla_pool restart"):
         ip.run_cell_magic("xla_spawn", "", "import time\nopen(f'{marks}/{rank}', 'w').close()\ntime.sleep(600)")
     assert "waiting up to 30 s" in captured.stdout
@@ -631,7 +621,7 @@ def test_unload_stops_the_pool_and_every_rank(ip, spawn):
     assert len(mapped_here(prefix)) == 1
     ip.run_line_magic("unload_ext", "xla_magic")
     try:
-        assert gone(pids | {supervisor})
+        assert wait_gone(pids | {supervisor}) == []
         assert segments_left() == [] and mapped_here(prefix) == []
     finally:
         ip.run_line_magic("load_ext", "xla_magic")
@@ -643,29 +633,8 @@ def test_unload_stops_the_pool_and_every_rank(ip, spawn):
 
 
 def test_pool_in_a_real_kernel_survives_the_stop_button():
-    from jupyter_client.manager import start_new_kernel
-
-    manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
-
-    def run(code: str, on_output=None) -> tuple[dict, str]:
-        chunks: list[str] = []
-
-        def hook(msg) -> None:
-            content = msg["content"]
-            if msg["msg_type"] == "stream":
-                chunks.append(content["text"])
-            elif msg["msg_type"] == "error":
-                chunks.append(f"{content['ename']}: {content['evalue']}")
-            elif msg["msg_type"] == "execute_result":
-                chunks.append(content["data"].get("text/plain", ""))
-            if on_output is not None:
-                on_output("".join(chunks))
-
-        # stop_on_error=False: ipykernel 6 would otherwise abort the next request if it
-        # arrives just after an expected error (Colab's stack).
-        reply = client.execute_interactive(code, timeout=240, output_hook=hook, stop_on_error=False)
-        return reply["content"], re.sub(r"\x1b\[[0-9;]*m", "", "".join(chunks))
-
+    kernel = Kernel()
+    run = kernel.run
     try:
         run("%load_ext xla_magic")
         reply, text = run("%xla_pool start --devices 2 --backend cpu")
@@ -676,7 +645,7 @@ def test_pool_in_a_real_kernel_survives_the_stop_button():
         def press_stop(text: str) -> None:
             if not pressed and text.count("spinning") == 2:
                 pressed.append(True)
-                manager.interrupt_kernel()
+                kernel.manager.interrupt_kernel()
 
         reply, text = run("%%xla_spawn\nprint('spinning', rank)\nwhile True:\n    pass", on_output=press_stop)
         assert pressed and reply["ename"] == "RunInterrupted" and "keeps its ranks" in text
@@ -684,12 +653,10 @@ def test_pool_in_a_real_kernel_survives_the_stop_button():
         assert reply["status"] == "ok" and "['xla:0', 'xla:0']" in text
         reply, text = run("import sys\n'torch_xla' in sys.modules or '_XLAC' in sys.modules")
         assert "False" in text
-        kernel = psutil.Process(manager.provisioner.process.pid)
-        launcher = next(p for p in kernel.children() if "xla_magic.launcher" in " ".join(p.cmdline()))
+        launcher = next(p for p in psutil.Process(kernel.pid).children() if "xla_magic.launcher" in " ".join(p.cmdline()))
         pool_processes = {p.pid for p in launcher.children(recursive=True)}
         assert len(pool_processes) == 3  # the pool's supervisor and its two ranks
         run("%xla_pool stop")
-        assert gone(pool_processes)
+        assert wait_gone(pool_processes) == []
     finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+        kernel.close()

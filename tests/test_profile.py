@@ -8,34 +8,13 @@ import re
 import pytest
 from IPython.utils.capture import capture_output
 
+from helpers import PROFILED
 from xla_magic import profile_view
 
-PROFILED = """
-import torch, torch_xla
-import torch_xla.debug.profiler as xp
-w = torch.randn(16, 4, device=device)
-for n in [8, 8, 5]:
-    with xp.Trace("forward"):
-        x = torch.randn(n, 16, device=device)
-        y = (x @ w).relu().sum()
-    torch_xla.sync()
-y.item()
-"""
 
 
 def file_events(path: str) -> list[dict]:
     return profile_view.complete_events(profile_view.read_trace(path)["traceEvents"])
-
-
-@pytest.fixture
-def pool(ip):
-    with capture_output():
-        ip.run_line_magic("xla_pool", "start --devices 2 --backend cpu")
-    try:
-        yield ip._xla_magic_session.pool
-    finally:
-        with capture_output():
-            ip.run_line_magic("xla_pool", "stop")
 
 
 def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):

@@ -19,6 +19,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from conftest import kernel_is_xla_free
+from helpers import FSDP_STEPS, FSDP_WRAP
 from xla_magic import sharding
 
 DEVICES = 8
@@ -132,6 +133,10 @@ facts["reverse_without_its_mesh"] = spmd.describe_sharding(r)
 uneven = torch.zeros(6, 5).to(device)
 xs.mark_sharding(uneven, mesh, (None, "data"))
 facts["uneven"] = spmd.describe_sharding(uneven)
+cube_mesh = xs.Mesh(np.arange(world_size), (2, 2, 2), ("a", "b", "c"))
+cube = torch.zeros(4, 4, 2).to(device)
+xs.mark_sharding(cube, cube_mesh, ("a", "b", "c"))
+facts["cube"] = spmd.describe_sharding(cube, cube_mesh)
 try:
     spmd.describe_sharding(torch.ones(2))
 except TypeError as exc:
@@ -266,21 +271,7 @@ torch.manual_seed(0)
 inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
 module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
 reference = copy.deepcopy(module)
-
-model = FSDPv2(module, mesh=mesh)  # the docs pass it positionally; 2.9 takes it by keyword only
-optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-x, y = inputs.to(device), targets.to(device)
-xs.mark_sharding(x, mesh, ("fsdp", None))
-xs.mark_sharding(y, mesh, ("fsdp", None))
-losses = []
-for step in range(STEPS):
-    optimizer.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    torch_xla.sync()
-    losses.append(loss.item())
-
+""" + FSDP_WRAP + FSDP_STEPS + """
 expected_losses = []
 reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
 for step in range(STEPS):
@@ -396,31 +387,10 @@ def test_suggested_meshes_fit_the_device_count():
 
 # --- the kernel side: the picture ------------------------------------------------------
 
-TILED = {
-    "shape": [8, 8], "dtype": "float32", "itemsize": 4, "devices": 8, "platform": "CPU",
-    "spec": "{devices=[4,2]0,1,2,3,4,5,6,7}", "replicated": False,
-    "ranges": [[[0, 2], [2, 4], [4, 6], [6, 8]], [[0, 4], [4, 8]]],
-    "grid": [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]],
-    "mesh_shape": [4, 2], "axis_names": ["data", "model"], "partition": [["data"], ["model"]],
-}
-ROWS = dict(
-    TILED, shape=[8, 4], spec="{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}",
-    ranges=[[[0, 2], [2, 4], [4, 6], [6, 8]], [[0, 4]]], grid=[[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]],
-    partition=[["data"], []],
-)
-REPLICATED = dict(
-    TILED, shape=[3], spec="{replicated}", replicated=True, ranges=[[[0, 3]]], grid=[list(range(8))],
-    partition=[[]],
-)
-UNEVEN = dict(
-    TILED, shape=[6, 5], ranges=[[[0, 6]], [[0, 2], [2, 4], [4, 5], [5, 5]]],
-    grid=[[[0, 1], [2, 3], [4, 5], [6, 7]]], partition=[[], ["data"]],
-)
-CUBE = dict(
-    TILED, shape=[4, 4, 2], mesh_shape=[2, 2, 2], axis_names=["a", "b", "c"],
-    ranges=[[[0, 2], [2, 4]], [[0, 2], [2, 4]], [[0, 1], [1, 2]]],
-    grid=[[[[0], [1]], [[2], [3]]], [[[4], [5]], [[6], [7]]]], partition=[["a"], ["b"], ["c"]],
-)
+@pytest.fixture(scope="module")
+def described(mesh_4_2) -> dict[str, dict]:
+    """What describe_sharding said of real tensors on real meshes (the SPMD run above): the pictures' input."""
+    return {name: mesh_4_2[name] for name in ("tiled", "rows", "replicated", "uneven", "cube")}
 
 
 def box_rows(text: str) -> list[list[str]]:
@@ -437,8 +407,8 @@ def box_rows(text: str) -> list[list[str]]:
     return [[" / ".join(part for part in column if part) for column in zip(*row)] for row in rows]
 
 
-def test_text_picture_of_a_tiled_tensor():
-    text = repr(sharding.ShardingView(TILED))
+def test_text_picture_of_a_tiled_tensor(described):
+    text = repr(sharding.ShardingView(described["tiled"]))
     assert text.splitlines()[0] == (
         "float32[8, 8] · mesh data=4 × model=2 · dim 0 over data, dim 1 over model · 32 B per device"
     )
@@ -452,14 +422,14 @@ def test_text_picture_of_a_tiled_tensor():
     assert len(widths) == 1  # a closed grid: every line of boxes is as wide as the others
 
 
-def test_text_picture_of_replication_and_padding():
-    rows = repr(sharding.ShardingView(ROWS))
+def test_text_picture_of_replication_and_padding(described):
+    rows = repr(sharding.ShardingView(described["rows"]))
     assert "each block on 2 devices" in rows.splitlines()[0]
     assert box_rows(rows) == [["CPU 0-1 / 2×4"], ["CPU 2-3 / 2×4"], ["CPU 4-5 / 2×4"], ["CPU 6-7 / 2×4"]]
-    replicated = repr(sharding.ShardingView(REPLICATED))
+    replicated = repr(sharding.ShardingView(described["replicated"]))
     assert "replicated on all 8 devices · 12 B per device" in replicated.splitlines()[0]
     assert box_rows(replicated) == [["all 8 / 3"]]
-    uneven = repr(sharding.ShardingView(UNEVEN))
+    uneven = repr(sharding.ShardingView(described["uneven"]))
     assert box_rows(uneven) == [["CPU 0-1 / 6×2", "CPU 2-3 / 6×2", "CPU 4-5 / 6×1", "CPU 6-7 / padding"]]
     # Widths follow the block sizes: a 2-column block is wider than a 1-column one.
     top = uneven.splitlines()[1]
@@ -467,8 +437,8 @@ def test_text_picture_of_replication_and_padding():
     assert widths[0] == widths[1] > widths[2]
 
 
-def test_text_picture_of_three_dimensions_is_one_grid_per_leading_block():
-    text = repr(sharding.ShardingView(CUBE))
+def test_text_picture_of_three_dimensions_is_one_grid_per_leading_block(described):
+    text = repr(sharding.ShardingView(described["cube"]))
     assert "[0:2, :, :]" in text and "[2:4, :, :]" in text
     assert box_rows(text) == [
         ["CPU 0 / 2×2×1", "CPU 1 / 2×2×1"], ["CPU 2 / 2×2×1", "CPU 3 / 2×2×1"],
@@ -477,7 +447,7 @@ def test_text_picture_of_three_dimensions_is_one_grid_per_leading_block():
     assert "dim 0 over a, dim 1 over b, dim 2 over c" in text.splitlines()[0]
 
 
-def test_html_picture_colours_each_block_by_its_device():
+def test_html_picture_colours_each_block_by_its_device(described):
     from html.parser import HTMLParser
 
     class Cells(HTMLParser):
@@ -501,7 +471,7 @@ def test_html_picture_colours_each_block_by_its_device():
             if self.cell is not None:
                 self.cell["text"] += data + " "
 
-    view = sharding.ShardingView(TILED)
+    view = sharding.ShardingView(described["tiled"])
     parser = Cells()
     parser.feed(view._repr_html_())
     labels = [[cell["text"].split()[:2] for cell in row] for row in parser.rows]
@@ -511,28 +481,28 @@ def test_html_picture_colours_each_block_by_its_device():
     assert parser.rows[0][1]["title"] == "CPU 1: [0:2, 4:8]"
 
     shared = Cells()
-    shared.feed(sharding.render_html(ROWS))
+    shared.feed(sharding.render_html(described["rows"]))
     colours = [cell["style"].split("background: ")[1].split(";")[0] for row in shared.rows for cell in row]
     assert colours == [sharding.PALETTE[d] for d in (0, 2, 4, 6)]  # a block takes its first device's colour
 
 
-def test_html_picture_escapes_what_it_shows():
-    hostile = dict(TILED, dtype="<script>", axis_names=["<b>", "m"])
+def test_html_picture_escapes_what_it_shows(described):
+    hostile = dict(described["tiled"], dtype="<script>", axis_names=["<b>", "m"])
     text = sharding.render_html(hostile)
     assert "<script>" not in text and "&lt;script&gt;" in text and "&lt;b&gt;=4" in text
 
 
-def test_html_widths_follow_the_block_sizes():
-    text = sharding.render_html(UNEVEN)
+def test_html_widths_follow_the_block_sizes(described):
+    text = sharding.render_html(described["uneven"])
     widths = [int(part.split("%")[0]) for part in text.split('<col style="width: ')[1:]]
     assert widths[0] == widths[1] > widths[2] >= widths[3] > 0  # a padding-only block keeps room for its label
     assert "<b>CPU 6-7</b><br><small>padding</small>" in text
 
 
-def test_show_displays_html_in_a_notebook_and_text_elsewhere():
+def test_show_displays_html_in_a_notebook_and_text_elsewhere(described):
     from IPython.core.formatters import DisplayFormatter
 
-    data, _ = DisplayFormatter().format(sharding.ShardingView(TILED))
+    data, _ = DisplayFormatter().format(sharding.ShardingView(described["tiled"]))
     assert data["text/html"].startswith('<div class="xla-magic-sharding"')
     assert data["text/plain"].startswith("float32[8, 8] · mesh data=4")
 
@@ -542,15 +512,15 @@ def test_a_view_of_something_else_says_what_it_takes():
         sharding.ShardingView({"shape": [2]})
 
 
-def test_many_blocks_across_are_drawn_with_bare_device_ids():
+def test_many_blocks_across_are_drawn_with_bare_device_ids(described):
     wide = dict(
-        TILED, shape=[64], devices=64, ranges=[[[i, i + 1] for i in range(64)]], grid=[[i] for i in range(64)],
+        described["tiled"], shape=[64], devices=64, ranges=[[[i, i + 1] for i in range(64)]], grid=[[i] for i in range(64)],
         mesh_shape=[64], axis_names=["data"], partition=[["data"]],
     )
     assert box_rows(repr(sharding.ShardingView(wide))) == [[f"{i} / 1" for i in range(64)]]
     assert "width: 3072px" in sharding.render_html(wide)  # wider, not illegible
 
 
-def test_a_description_is_recognised_among_other_values():
-    assert sharding.is_description(TILED) and sharding.is_description(CUBE)
-    assert not sharding.is_description({"shape": [2]}) and not sharding.is_description([TILED])
+def test_a_description_is_recognised_among_other_values(described):
+    assert sharding.is_description(described["tiled"]) and sharding.is_description(described["cube"])
+    assert not sharding.is_description({"shape": [2]}) and not sharding.is_description([described["tiled"]])

@@ -21,6 +21,7 @@ import torch
 from IPython.core.error import UsageError
 
 from conftest import BACKING, kernel_is_xla_free
+from helpers import WRITE_MEET_READ, interrupt_when, shown
 from xla_magic import transport
 from xla_magic.display import RankError, RunInterrupted
 
@@ -94,12 +95,11 @@ def test_a_rank_writing_a_shipped_value_changes_nothing_else(ip, spawn):
     assert float(weights.abs().sum()) == 0.0 and float(np.abs(table).sum()) == 0.0
 
 
-def test_a_rank_writing_a_shipped_value_in_thread_ranks_changes_nothing_else(ip, spawn, monkeypatch):
-    """The tpu launch path runs ranks as threads of one process: still private copies."""
+def test_a_rank_writing_a_shipped_value_in_thread_ranks_changes_nothing_else(ip, spawn, monkeypatch, marks):
+    """The tpu launch path runs ranks as threads of one process: still private copies, while both run."""
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     weights = torch.zeros(BIG)
-    cell = "import time\nweights[rank] = 1 + rank\ntime.sleep(0.5)\nweights[:2].tolist()"
-    run = spawn("--backend tpu --devices 2", cell, weights=weights)
+    run = spawn("--backend tpu --devices 2", WRITE_MEET_READ, weights=weights)
     assert run.value == [[1.0, 0.0], [0.0, 2.0]]
     assert float(weights.abs().sum()) == 0.0
 
@@ -153,20 +153,18 @@ def test_rank_crash_after_writing_a_result_segment_leaves_nothing(ip):
 
 
 def test_interrupt_sweeps_what_was_shipped(ip, spawn):
-    session = ip._xla_magic_session
     seen_during_run: list[list[str]] = []
 
-    def listener(record):
-        if not seen_during_run and all(s.state == "running" for s in record.ranks.values()):
-            seen_during_run.append(ours())
-            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    def every_rank_has_its_data() -> bool:
+        if shown("summed") < 2:
+            return False
+        seen_during_run.append(ours())
+        return True
 
-    session.listeners.append(listener)
-    try:
-        with pytest.raises(RunInterrupted):
-            spawn("--devices 2", "import time\nx = data.sum()\ntime.sleep(600)", data=torch.ones(BIG))
-    finally:
-        session.listeners.remove(listener)
+    pressed = interrupt_when(every_rank_has_its_data)
+    with pytest.raises(RunInterrupted):
+        spawn("--devices 2", "import time\nx = data.sum()\nprint('summed', flush=True)\ntime.sleep(600)", data=torch.ones(BIG))
+    assert pressed.is_set()
     assert len(seen_during_run[0]) == 1
 
 

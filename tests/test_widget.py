@@ -19,6 +19,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
+from helpers import wait_gone
 from xla_magic import widget
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.record import RankState, RunRecord
@@ -198,8 +199,7 @@ def test_pool_row_and_stop_pool_button(ip, panel):
     assert "pool stopped" in panel.message.value
     assert "none (%xla_pool start" in panel.facts.value
     assert panel.stop_pool.disabled
-    _, alive = psutil.wait_procs(ranks, timeout=10)
-    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    assert wait_gone(p.pid for p in ranks) == []
 
 
 def test_badge_turns_red_when_the_kernel_holds_an_xla_runtime():

@@ -84,17 +84,6 @@ since(before)
 """
 
 
-@pytest.fixture
-def pool(ip):
-    with capture_output():
-        ip.run_line_magic("xla_pool", "start --devices 2 --backend cpu")
-    try:
-        yield ip._xla_magic_session.pool
-    finally:
-        with capture_output():
-            ip.run_line_magic("xla_pool", "stop")
-
-
 def test_item_every_step_is_syncs_at_their_line_and_nonzero_a_fallback(ip, pool, spawn):
     run = spawn("", ITEM_EVERY_STEP)
     item_line = line_of(ITEM_EVERY_STEP, "loss.item()")
@@ -225,9 +214,9 @@ def test_the_status_panel_shows_each_rank_s_account_and_the_runs_summary(ip, spa
 
     from xla_magic import widget
 
+    panel = widget.status_panel(ip._xla_magic_session)  # shown before the run: what follows comes live
     spawn("--devices 2 --backend cpu", RAGGED)
-    panel = widget.status_panel(ip._xla_magic_session)
-    panel.redraw()  # as %xla_status does: the panel may have missed runs while earlier tests cleared listeners
+    # No redraw: the panel follows every run through its listener (conftest.py fails any test that removes it).
     for row in rank_rows(panel):
         assert re.fullmatch(r"3 compiled \(\S+ s\)", row["cells"][7]), row
     assert f"recompiled at line {RAGGED_SYNC_LINE}" in history_rows(panel)[0]["cells"][5]
@@ -263,12 +252,12 @@ while True:
 """
 
 
-def test_an_interrupted_slow_loop_still_says_what_xla_did(ip, pool, spawn):
-    from test_pool import interrupt_once_running
+def test_an_interrupted_slow_loop_still_says_what_xla_did(ip, pool, spawn, marks):
+    from helpers import interrupt_once_written
 
     from xla_magic.display import RunInterrupted
 
-    ip.user_ns["marks"] = interrupt_once_running(2)
+    interrupt_once_written(marks, 2)
     with capture_output() as shown, pytest.raises(RunInterrupted):
         ip.run_cell_magic("xla_spawn", "", SLOW_LOOP_UNTIL_INTERRUPTED)
     [summary] = xla_lines(shown.stdout)

@@ -285,9 +285,13 @@ class RankServer:
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
                                processes=self.children.kept())
         xla, self._xla_frame = self._xla_frame, b""
+        frames = (reply or b"") + xla + done
         with self.channel.lock:
-            self.channel.sock.sendall((reply or b"") + xla + done)
-        self._answered = seq
+            # Answered from here on: a signal handler that raises once the bytes go (sendall runs the
+            # handlers after it sent, and so does any call after it) is told with the next request,
+            # never as a reply to this one, which the kernel has closed.
+            self._answered = seq
+            self.channel.sock.sendall(frames)
 
     def display(self, what: str, data: Any) -> None:
         """Have the kernel display ``data`` (its view for ``what``) in the running cell, after the output so far.
