@@ -95,7 +95,7 @@ def test_a_pool_whose_launcher_died_says_so(ip, spawn):
         pool = ip._xla_magic_session.pool
         launcher = ip._xla_magic_session.launcher.pid
         os.kill(launcher, signal.SIGKILL)
-        assert wait_gone([launcher, pool.supervisor_pid, *pool.pids.values()]) == []  # its pool dies with it
+        assert wait_gone([launcher, pool.ranks.supervisor_pid, *pool.pids.values()]) == []  # its pool dies with it
         with pytest.raises(UsageError, match=r"the launcher process died \(SIGKILL.*%xla_pool restart"):
             spawn("", "rank")
         assert re.search(r"broken: the launcher process died", pool_magic(ip, "status"))

@@ -495,7 +495,7 @@ def test_a_rank_killed_between_cells_is_noticed_before_the_next_cell_runs(ip, po
     spawn("", "rank")
     victim = ip._xla_magic_session.pool.pids[1]
     os.kill(victim, signal.SIGKILL)
-    assert wait_for(lambda: peer_closed(pool.events[1].sock))  # its death is there for the kernel to read
+    assert wait_for(lambda: peer_closed(pool.ranks.events[1].sock))  # its death is there for the kernel to read
     with pytest.raises(UsageError, match="lost a rank.*nothing ran"):
         spawn("", "rank")
     with pytest.raises(UsageError, match="broken"):
@@ -518,7 +518,7 @@ def test_an_interrupt_that_comes_before_a_rank_reads_its_request_still_stops_the
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     # Once the request is in the ranks' sockets (the kernel waits for answers): they are stopped, so it is unread.
-    pressed = when(lambda: main_thread_in(Request._pump) and all(unsent(pool.events[r].sock) for r in pool.pids),
+    pressed = when(lambda: main_thread_in(Request._pump) and all(unsent(pool.ranks.events[r].sock) for r in pool.pids),
                    interrupt_then_wake_the_ranks)
     try:
         with pytest.raises(RunInterrupted, match="keeps its ranks"):
@@ -536,7 +536,7 @@ def test_an_interrupt_while_a_request_is_sent_breaks_the_pool_and_leaks_nothing(
     os.kill(pids[0], signal.SIGSTOP)  # rank 0 reads nothing: the large request below fills its socket
     ip.user_ns["bulky"] = list(range(2_000_000))  # ~10 MB of pickle, sent inline
     # Once part of it waits in rank 0's socket, the kernel still sending the rest.
-    pressed = interrupt_when(lambda: main_thread_in(Ranks.send) and unsent(pool.events[0].sock) > 0)
+    pressed = interrupt_when(lambda: main_thread_in(Ranks.send) and unsent(pool.ranks.events[0].sock) > 0)
     with pytest.raises(RunInterrupted, match="request to rank 0 was cut off.*%xla_pool restart"):
         spawn("", "len(bulky)")
     assert pressed.is_set()
