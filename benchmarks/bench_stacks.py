@@ -4,10 +4,12 @@ Runs as a script (``python benchmarks/bench_stacks.py``) or under benchmarks/run
 (``main()`` returns the rows). Every rank has a sampler thread (launcher/stacks.py)
 asleep on a blocking read of its stacks socket; ``XLA_MAGIC_STACKS=0`` in the
 kernel's environment starts ranks without one, the baseline. Pools alternate
-in one run (on, off, on, off), each measured warm: the median of ROUND_TRIPS
+in one run (on, off, off, on), each measured warm: the median of ROUND_TRIPS
 trivial cells, and of STEPS cells that each run one training step of a small
 model (forward, backward, ``xm.optimizer_step``, ``torch_xla.sync()``).
 The figure is each side's median over its pools; the ratio on/off should be 1.
+A freshly started pool's first cells are slower and noisy: each pool first
+runs one discarded series of round trips.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from bench_pool import median_round_trip, quietly, start_shell, timed
 
 RANKS = 8
-ROUNDS = 2  # pools per side, alternating
+ROUNDS = 2  # pools per side, alternating (which side goes first alternates too): on, off, off, on
 TRIVIAL = "a = 1"
 MODEL = """
 import torch, torch_xla, torch_xla.core.xla_model as xm
@@ -50,7 +52,9 @@ def measure(shell: Any, sampler: bool) -> dict[str, float]:
         with_sampler = shell.run_cell_magic("xla_spawn", "", check)
         if bool(with_sampler[0]) != sampler:
             raise AssertionError(f"the ranks' sampler threads are {with_sampler}, expected sampler={sampler}")
-        round_trip = median_round_trip(quietly(lambda: shell.run_cell_magic("xla_spawn", "", TRIVIAL)))
+        trivial = quietly(lambda: shell.run_cell_magic("xla_spawn", "", TRIVIAL))
+        median_round_trip(trivial)  # a freshly started pool settles first (its first cells are slower, noisily)
+        round_trip = median_round_trip(trivial)
         quietly(lambda: shell.run_cell_magic("xla_spawn", "", MODEL))()
         step = median_round_trip(quietly(lambda: shell.run_cell_magic("xla_spawn", "", STEP)))
     finally:
@@ -64,9 +68,9 @@ def main() -> list[Row]:
     on: list[dict[str, float]] = []
     off: list[dict[str, float]] = []
     try:
-        for _ in range(ROUNDS):
-            on.append(measure(shell, sampler=True))
-            off.append(measure(shell, sampler=False))
+        for round_ in range(ROUNDS):
+            for sampler in ((True, False) if round_ % 2 == 0 else (False, True)):
+                (on if sampler else off).append(measure(shell, sampler=sampler))
             print(f"on {on[-1]}, off {off[-1]}", file=sys.stderr, flush=True)
     finally:
         if loaded_here:

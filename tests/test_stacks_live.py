@@ -262,3 +262,35 @@ def test_a_real_kernel_shows_the_watchdog_line_as_one_display_then_the_stop_says
         assert "rank 1: finished the cell" in error
     finally:
         kernel.close()
+
+
+# --- the watchdog's rule, on the places the sampler reports -------------------------------------
+
+
+def at(kind: str, call: str, line: int) -> dict:
+    return {"phase": "cell", "frames": [], "doing": {"kind": kind, "call": call, "line": line}}
+
+
+@pytest.mark.parametrize("where, said", [
+    pytest.param({0: at("sync", "torch_xla.sync", 4), 1: at("sync", "torch_xla.sync", 4)}, None,
+                 id="a-long-compile-on-every-rank-is-only-slow"),
+    pytest.param({0: at("sleep", "time.sleep", 2), 1: at("sleep", "time.sleep", 2)}, None, id="every-rank-sleeping"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("python", None, 6)}, None,
+                 id="a-rank-still-running-python-may-yet-come"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("collective", "xm.rendezvous('x')", 5)},
+                 r"xla_magic: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 has waited 9 s in "
+                 r"xm.rendezvous\('x'\) \(line 5\)\. Ranks waiting at different collectives", id="different-collectives"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("collective", "xm.all_reduce", 3)},
+                 r"xla_magic: likely a hang: ranks 0, 1 have waited 9 s in xm.all_reduce \(line 3\), with no progress",
+                 id="every-rank-in-one-collective-is-likely"),
+    pytest.param({0: at("sync", "torch_xla.sync", 4), 1: {"phase": "finished"}},
+                 r"xla_magic: likely a hang: rank 0 has waited 9 s in torch_xla.sync \(line 4\); rank 1 finished",
+                 id="a-sync-some-ranks-finished-without-is-likely"),
+])
+def test_the_watchdog_speaks_only_where_it_must_be_a_hang(where, said):
+    line = stacks.hang(where, {0: 9.0, 1: 9.0}, hang_after=HANG_AFTER, confirm=0.5)
+    if said is None:
+        assert line is None
+    else:
+        assert line is not None and re.match(said, line), line
+    assert stacks.hang(where, {0: 1.0, 1: 1.0}, hang_after=HANG_AFTER, confirm=0.5) is None  # not yet
