@@ -127,10 +127,11 @@ def test_spmd_process_says_where_it_is(ip):
                                                 "    line 3: time.sleep(600)"]
 
 
-# --- in a pool (these last: a running pool takes the cells above) ---------------------------
+# --- in a pool (each its own: a running pool would take the one-shot cells above, and a thread a cell
+# leaves running would show in the next test's stacks) --------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool(ip):
     ip.run_line_magic("xla_pool", f"start --devices 2 --hang-after {HANG_AFTER:g}")
     try:
@@ -200,6 +201,7 @@ def test_pool_sleep_on_every_rank_is_only_slow(pool):
 
 
 def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thread_left_running(pool):
+    test_pool_sleep_on_every_rank_is_only_slow(pool)  # the cell stopped last, in this test's own pool
     leaves_a_thread = (
         "import threading, time\n"
         "def nap():\n"
