@@ -153,6 +153,9 @@ def trainer_reference(process: subprocess.Popen, out: str) -> tuple[dict, dict[s
         return json.load(result), torch.load(os.path.join(out, "weights.pt"))
 
 
+# Eight ranks compiling the same graphs on two cores: 165-200 s on a loaded machine, past 300 s when it is
+# busier still (pyproject's default bound). The bound only catches a hang; it is not a speed check.
+@pytest.mark.timeout(900)
 def test_hf_trainer_trains_evaluates_and_saves_at_8_ranks_as_one_process_does(spawn, tmp_path):
     from safetensors.torch import load_file  # imports torch only
 
