@@ -234,11 +234,21 @@ def test_a_failing_rank_on_one_host_stops_the_cell_on_every_host(ip, pool):
 
 def test_interrupt_stops_the_cell_on_every_host_and_keeps_the_pool(ip, pool):
     cell(ip, "survivor = rank + 1")
+    # Global rank 0 sleeps (line 4), every other rank spins (lines 5-6): the error says where each was, by host.
+    source = ("import time\nprint('spinning', flush=True)\nif rank == 0:\n    time.sleep(3600)\n"
+              "while True:\n    spin = 1\n")
     with capture_output():
         pressed = interrupt_once_shown("spinning", WORLD)
-        with pytest.raises(RunInterrupted, match="stopped on every host"):
-            ip.run_cell_magic("xla_spawn", "", "print('spinning', flush=True)\nwhile True:\n    spin = 1\n")
+        with pytest.raises(RunInterrupted, match="stopped on every host") as raised:
+            ip.run_cell_magic("xla_spawn", "", source)
     assert pressed.is_set()
+    where = raised.value.where
+    assert where and where[0].startswith("Where each rank was"), raised.value._render_traceback_()
+    heads = [line for line in where[1:] if not line.startswith(" ")]
+    assert heads[0] == "h0 r0: sleeping in time.sleep (line 4)", where
+    others = ", ".join(f"h{rank // RANKS_PER_HOST} r{rank}" for rank in range(1, WORLD))
+    assert len(heads) == 2 and heads[1].startswith(f"{others}: "), where
+    assert "(line 5)" in heads[1] or "(line 6)" in heads[1], where  # the loop: its test or its body
     value, _, _ = cell(ip, "survivor")
     assert value == [r + 1 for r in range(WORLD)]
 

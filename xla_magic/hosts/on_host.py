@@ -49,6 +49,8 @@ class HostOutcome(TypedDict, total=False):
     failures: list[HostFailure]  # failed
     results: dict[int, Any]  # failed, interrupted: the values of the ranks that finished, by local rank
     broken: str | None  # the host's pool broke: why
+    stacks: dict[int, dict[str, Any]]  # failed, interrupted: where each rank was at the stop, by local rank
+    stacks_when: str  # failed, interrupted: when that was (the watch's words: "at the interrupt", ...)
 
 
 class Here:
@@ -235,9 +237,10 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
         failures = [HostFailure(rank=f.rank, type=f.type, message=f.message, traceback=f.traceback,
                                 exit_code=f.exit_code) for f in exc.failures]
         return {"outcome": "failed", "summary": exc.summary, "failures": failures, "results": exc.results,
-                "broken": _broken()}
+                "broken": _broken(), **_where()}
     except RunInterrupted as exc:
-        return {"outcome": "interrupted", "message": str(exc), "results": exc.results, "broken": _broken()}
+        return {"outcome": "interrupted", "message": str(exc).split("\n")[0], "results": exc.results,
+                "broken": _broken(), **_where()}
     except KeyboardInterrupt:
         return {"outcome": "interrupted", "message": "interrupted", "results": {}, "broken": _broken()}
     except UsageError as exc:
@@ -247,6 +250,15 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
         sys.stdout.flush()
         sys.stderr.flush()
     return {"outcome": "ok", "value": value}
+
+
+def _where() -> HostOutcome:
+    """Where this host's ranks were when its last cell was stopped, raw: the kernel groups every host's."""
+    history = _here.runner.history if _here is not None else []
+    record = history[-1] if history else None
+    if record is None or not record.stacks:
+        return {}
+    return {"stacks": dict(record.stacks), "stacks_when": record.stacks_when}
 
 
 def _broken() -> str | None:

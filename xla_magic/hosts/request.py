@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
+from xla_magic import stacks
 from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.hosts.on_host import HostOutcome
 from xla_magic.record import RunRecord
@@ -218,7 +219,7 @@ class HostsRequest:
             raise UsageError("; ".join(f"host h{index}: {o['message']}" for index, o in refused))
         if self.stopping == "interrupt" and all(o["outcome"] in ("ok", "interrupted") for o in outcomes):
             raise RunInterrupted(f"interrupted; the cell was stopped on every host. {self._pool_note()}",
-                                 self._results(outcomes))
+                                 self._results(outcomes), where=self._where(outcomes))
         raise self._error(outcomes)
 
     def _error(self, outcomes: list[dict[str, Any]]) -> RankError:
@@ -244,7 +245,20 @@ class HostsRequest:
         summary = "; ".join(parts) + f"; {self._pool_note()}"
         if not failures:  # nothing with a traceback: say it as one failure of the first host that went wrong
             failures = [RankFailure(-1, "HostFailure", summary)]
-        return RankError(failures, self._results(outcomes), summary, label=_failure_label(devices))
+        return RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
+                         where=self._where(outcomes))
+
+    def _where(self, outcomes: list[dict[str, Any]]) -> list[str]:
+        """Where every rank on every host was at the stop, grouped across hosts as on one host."""
+        merged: dict[int, dict[str, Any]] = {}
+        when = ""
+        for index, outcome in enumerate(outcomes):
+            for rank, answer in (outcome.get("stacks") or {}).items():
+                merged[index * self.devices + rank] = answer
+            when = when or outcome.get("stacks_when", "")
+        if not merged:
+            return []
+        return [f"Where each rank was {when}:"] + stacks.render(merged, label=label(self.devices))
 
     def _results(self, outcomes: list[dict[str, Any]]) -> dict[int, Any]:
         results: dict[int, Any] = {}
