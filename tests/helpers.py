@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterable
 
 import nbformat
@@ -182,7 +183,12 @@ def when(ready: Callable[[], Any], action: Callable[[], Any], within: float = WI
     _watchers.append(stopped)
 
     def watch() -> None:
-        if wait_for(lambda: stopped.is_set() or ready(), within) and not stopped.is_set():
+        try:
+            came = wait_for(lambda: stopped.is_set() or ready(), within)
+        except Exception:  # a condition that cannot be read fails its test at once instead of hanging it
+            traceback.print_exc()
+            came = False
+        if came and not stopped.is_set():
             happened.set()
         if not stopped.is_set():
             action()

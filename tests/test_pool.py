@@ -518,7 +518,7 @@ def test_an_interrupt_that_comes_before_a_rank_reads_its_request_still_stops_the
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     # Once the request is in the ranks' sockets (the kernel waits for answers): they are stopped, so it is unread.
-    pressed = when(lambda: main_thread_in(Request._pump) and all(unsent(pool.ranks.events[r].sock) for r in pool.pids),
+    pressed = when(lambda: main_thread_in(Request.pump) and all(unsent(pool.ranks.events[r].sock) for r in pool.pids),
                    interrupt_then_wake_the_ranks)
     try:
         with pytest.raises(RunInterrupted, match="keeps its ranks"):
