@@ -9,6 +9,7 @@ torch_xla reads (``TPU_WORKER_HOSTNAMES``, else the metadata server's
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import urllib.request
 
@@ -59,3 +60,16 @@ def kernel_address(host: str) -> str:
             return probe.getsockname()[0]
     except OSError as exc:
         raise UsageError(f"no route from this machine to host {host} ({exc}): check --hosts") from None
+
+
+# The launch template's words live here, not beside the launchers, so that what the kernel checks before a
+# start needs no ipyparallel (an extra: %load_ext must work without it).
+DEFAULT_TEMPLATE = "ssh -T -o BatchMode=yes {host}"
+
+
+def template_words(template: str, host: str, index: int) -> list[str]:
+    """The launch command's words for one host (ValueError: a placeholder other than {host} and {index})."""
+    try:
+        return shlex.split(template.format(host=host, index=index))
+    except (KeyError, IndexError) as exc:
+        raise ValueError(f"the launch template may use {{host}} and {{index}} only, not {{{exc.args[0]}}}") from None

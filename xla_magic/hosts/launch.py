@@ -17,7 +17,6 @@ its docs show for custom launchers:
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from subprocess import PIPE, STDOUT, Popen
 
@@ -25,15 +24,7 @@ import psutil
 from ipyparallel.cluster.launcher import LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Integer, List, Unicode, default
 
-DEFAULT_TEMPLATE = "ssh -T -o BatchMode=yes {host}"
-
-
-def template_words(template: str, host: str, index: int) -> list[str]:
-    """The launch command's words for one host (ValueError: a placeholder other than {host} and {index})."""
-    try:
-        return shlex.split(template.format(host=host, index=index))
-    except (KeyError, IndexError) as exc:
-        raise ValueError(f"the launch template may use {{host}} and {{index}} only, not {{{exc.args[0]}}}") from None
+from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 
 
 class HostEngineLauncher(LocalEngineLauncher):

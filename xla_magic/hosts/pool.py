@@ -10,6 +10,7 @@ and are followed by :class:`~xla_magic.hosts.request.HostsRequest`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import stat
@@ -21,7 +22,7 @@ from IPython.core.error import UsageError
 
 from xla_magic import payload, place, protocol
 from xla_magic.hosts import discovery, on_host
-from xla_magic.hosts.launch import DEFAULT_TEMPLATE, HostEngineSetLauncher, KernelControllerLauncher, template_words
+from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 from xla_magic.hosts.request import HostsRequest, label
 from xla_magic.hosts.shipping import HostShipping
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
@@ -91,6 +92,9 @@ class HostsPool:
                              "hosts with --backend tpu")
         if options.spmd is not None:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
+        if importlib.util.find_spec("ipyparallel") is None:
+            raise UsageError("a pool across hosts runs on ipyparallel, which is not installed in this kernel: "
+                             "pip install 'xla_magic[hosts]' here and on every host, then start it again")
 
     @classmethod
     def start(cls, runner: Runner, options: PoolOptions) -> HostsPool:
@@ -125,7 +129,10 @@ class HostsPool:
         self.state = "ready"
 
     def _start_cluster(self) -> None:
+        # ipyparallel is the `hosts` extra: imported here, when a pool across hosts starts, never by %load_ext.
         import ipyparallel as ipp
+
+        from xla_magic.hosts.launch import HostEngineSetLauncher, KernelControllerLauncher
 
         self.address = discovery.kernel_address(self.hosts[0])
         profile = self.workdir.new("cluster-")
