@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import Any
 
+from bench_pool import start_shell
+
 RANKS = 4
 CELLS = 5  # of each kind
 SETUP = """
@@ -79,14 +81,8 @@ def measure(shell: Any) -> dict[str, float]:
 
 
 def main() -> list[Row]:
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    loaded_here = getattr(shell, "_xla_magic_session", None) is None
-    if loaded_here:
-        shell.run_line_magic("load_ext", "xla_magic")
+    shell, loaded_here = start_shell()
     try:
-        shell._xla_magic_session.ensure_launcher().wait_ready()
         figures = measure(shell)
     finally:
         if loaded_here:

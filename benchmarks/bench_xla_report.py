@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from bench_pool import start_shell
+
 RANKS = 8
 ROUND_TRIPS = 100  # cells of each kind
 TRAIN_CELLS = 7
@@ -94,14 +96,8 @@ def measure(shell: Any) -> dict[str, tuple[float, float]]:
 
 
 def main() -> list[Row]:
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    loaded_here = getattr(shell, "_xla_magic_session", None) is None
-    if loaded_here:
-        shell.run_line_magic("load_ext", "xla_magic")
+    shell, loaded_here = start_shell()
     try:
-        shell._xla_magic_session.ensure_launcher().wait_ready()
         figures = measure(shell)
     finally:
         if loaded_here:
