@@ -114,7 +114,7 @@ WRITE_MEET_READ = (
 
 # FSDPv2 as torch_xla's docs use it, in cell code: wrap ``module`` over ``mesh``'s "fsdp" axis, shard the
 # input the same way, then step an ordinary optimizer STEPS times (``losses``, one a step). A test gives
-# module, mesh, inputs, targets, STEPS and LR, and computes its reference with plain torch.
+# module, mesh, inputs, targets, STEPS and LR, and computes its reference with plain torch (reference_training).
 FSDP_WRAP = """
 model = FSDPv2(module, mesh=mesh)  # the docs pass it positionally; 2.9 takes it by keyword only
 optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -134,7 +134,45 @@ for step in range(STEPS):
 """
 
 
+def reference_training(module, inputs, targets, steps: int, lr: float) -> list[float]:
+    """FSDP_STEPS's reference: ``module`` trained in place by plain torch on the CPU, whole batch; the losses."""
+    import torch
+    from torch import nn
+
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(module(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 # A cell with something to profile: three steps under xp.Trace("forward"), one of another shape (three graphs).
+# Ends a cell that defines ``attempts`` (name -> a call every rank must see refused) and ``after`` (a good call,
+# made once all were tried): its value is each rank's ``messages``, name -> "Type: message" of what the call
+# raised (none for a call that did not raise), and "after" -> what the good call gave (the ranks are in step).
+EACH_REFUSED = """
+messages = {}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+    except (ValueError, TypeError, RuntimeError) as exc:
+        messages[name] = f"{type(exc).__name__}: {exc}"
+messages["after"] = after()
+messages
+"""
+
+
+def assert_refused(messages: dict[str, str], patterns: dict[str, str], rank: int) -> None:
+    """Rank ``rank`` refused exactly the attempts in ``patterns``, each with a message its pattern matches."""
+    assert messages.keys() == patterns.keys(), f"rank {rank} refused {sorted(messages)}, not {sorted(patterns)}"
+    for name, pattern in patterns.items():
+        assert re.search(pattern, messages[name]), f"rank {rank} {name}: {messages[name]}"
+
+
 PROFILED = """
 import torch, torch_xla
 import torch_xla.debug.profiler as xp

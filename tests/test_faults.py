@@ -110,15 +110,17 @@ def _own_group(controller: str) -> str:
 
 def _memory_group_v2() -> tuple[str, str]:
     """A child group with memory.max under this process's cgroup v2 group (the kernel's cgroup-v2.rst)."""
-    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+    roots = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")  # unified alone, or beside v1's (systemd's hybrid)
+    for root in roots:
         if os.path.exists(os.path.join(root, "cgroup.controllers")):
             break
     else:
-        raise OSError("no cgroup v2 hierarchy is mounted")
-    parent = os.path.join(root, _own_group("").lstrip("/"))
+        raise OSError(f"no cgroup v2 hierarchy is mounted (no cgroup.controllers in {' or '.join(roots)})")
+    parent = os.path.normpath(os.path.join(root, _own_group("").lstrip("/")))
     with open(os.path.join(parent, "cgroup.controllers")) as available:
-        if "memory" not in available.read().split():
-            raise OSError(f"{parent} does not offer the memory controller")
+        offered = available.read().split()
+    if "memory" not in offered:  # a hybrid host binds it to v1's hierarchy instead
+        raise OSError(f"{parent}/cgroup.controllers offers {' '.join(offered) or 'no controller'}, not memory")
     with open(os.path.join(parent, "cgroup.subtree_control")) as enabled:
         if "memory" not in enabled.read().split():
             with open(os.path.join(parent, "cgroup.subtree_control"), "w") as enable:

@@ -19,7 +19,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from conftest import kernel_is_xla_free
-from helpers import FSDP_STEPS, FSDP_WRAP
+from helpers import FSDP_STEPS, FSDP_WRAP, reference_training
 from xla_magic import sharding
 
 DEVICES = 8
@@ -255,46 +255,42 @@ def test_the_default_mesh_is_one_data_axis_over_every_device():
 
 
 # FSDPv2 as torch_xla's docs use it: shard the input over "fsdp", wrap the
-# module, step an ordinary optimizer. The reference is the same model
-# trained on the whole batch by plain torch on the CPU, in the same process.
+# module, step an ordinary optimizer. The reference is the same model (the
+# same seed) trained on the whole batch by plain torch in the test.
+STEPS, LR = 5, 0.1
+FSDP_DATA = """
+torch.manual_seed(0)
+inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
+module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+"""
 FSDP = """
-import copy
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 from xla_magic.launcher import spmd
-
-STEPS, LR = 5, 0.1
-torch.manual_seed(0)
-inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
-module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-reference = copy.deepcopy(module)
-""" + FSDP_WRAP + FSDP_STEPS + """
-expected_losses = []
-reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-for step in range(STEPS):
-    reference_optimizer.zero_grad()
-    loss = nn.functional.mse_loss(reference(inputs), targets)
-    loss.backward()
-    reference_optimizer.step()
-    expected_losses.append(loss.item())
-
-trained = [spmd.whole_on_cpu(p) for p in model.parameters()]
-facts["parameter_error"] = max((got - want).abs().max().item() for got, want in zip(trained, reference.parameters()))
-facts["loss_error"] = max(abs(got - want) for got, want in zip(losses, expected_losses))
+""" + f"STEPS, LR = {STEPS}, {LR}\n" + FSDP_DATA + FSDP_WRAP + FSDP_STEPS + """
 facts["losses"] = losses
+facts["trained"] = [spmd.whole_on_cpu(p).tolist() for p in model.parameters()]
 facts["first_weight"] = spmd.describe_sharding(next(model.parameters()))
 facts["wrapped_without_a_mesh_uses"] = list(FSDPv2(nn.Linear(8, 8)).__dict__["_mesh"].axis_names)
 """
 
 
 def test_fsdpv2_training_equals_full_batch_sgd_on_one_process():
+    import torch
+    from torch import nn
+
     facts = run_spmd(FSDP, (DEVICES, 1), ("fsdp", "model"))
+    made: dict = {"torch": torch, "nn": nn}
+    exec(FSDP_DATA, made)  # the program's model and data, here
+    reference = made["module"]
+    expected_losses = reference_training(reference, made["inputs"], made["targets"], STEPS, LR)
     assert facts["losses"][-1] < facts["losses"][0]  # it did train
-    assert facts["loss_error"] < 1e-5
-    assert facts["parameter_error"] < 1e-5
+    assert max(abs(got - want) for got, want in zip(facts["losses"], expected_losses, strict=True)) < 1e-5
+    trained = [torch.tensor(values) for values in facts["trained"]]
+    assert max((got - want).abs().max().item() for got, want in zip(trained, reference.parameters(), strict=True)) < 1e-5
     # FSDPv2 really sharded the weights: Linear(16, 64)'s weight, rows over fsdp.
     weight = facts["first_weight"]
     assert weight["grid"] == [[[device]] for device in range(DEVICES)] and weight["partition"] == [["fsdp"], []]

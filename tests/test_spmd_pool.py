@@ -18,7 +18,8 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 from conftest import BACKING
-from helpers import FSDP_STEPS, FSDP_WRAP, interrupt_once_written, pool_magic, spawn_cell, strip_ansi
+from helpers import (FSDP_STEPS, FSDP_WRAP, interrupt_once_written, pool_magic, reference_training, spawn_cell,
+                     strip_ansi)
 from xla_magic import transport
 from xla_magic.display import RankError, RunInterrupted
 
@@ -63,18 +64,6 @@ before = (met.metric_data("CompileTime") or (0,))[0]""" + FSDP_STEPS + """params
 """
 
 
-def reference_training(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> list[float]:
-    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(module(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_fsdpv2_in_the_pool_trains_like_full_batch_sgd_and_a_repeated_cell_compiles_nothing(ip, spmd_pool):
     torch.manual_seed(0)
     inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
@@ -84,13 +73,13 @@ def test_fsdpv2_in_the_pool_trains_like_full_batch_sgd_and_a_repeated_cell_compi
     first, first_compiles = spawn_cell(ip, "", FSDP_TRAIN)[0]
     second, second_compiles = spawn_cell(ip, "--spmd", FSDP_TRAIN)[0]  # --spmd without a mesh: the pool's
     assert first_compiles > 0 and second_compiles == 0  # the model, optimiser and graphs stayed
-    expected = reference_training(copy.deepcopy(module), inputs, targets, 2 * STEPS)
+    expected = reference_training(copy.deepcopy(module), inputs, targets, 2 * STEPS, LR)
     assert max(abs(got - want) for got, want in zip(first + second, expected)) < 1e-5
     assert second[-1] < first[0]  # it did train, on from where the first cell stopped
 
     pool_magic(ip, "pull params")
     reference = copy.deepcopy(module)
-    reference_training(reference, inputs, targets, 2 * STEPS)
+    reference_training(reference, inputs, targets, 2 * STEPS, LR)
     pulled = ip.user_ns["params"]
     assert all(type(p) is torch.Tensor or isinstance(p, nn.Parameter) for p in pulled)
     assert max((got - want).abs().max().item() for got, want in zip(pulled, reference.parameters())) < 1e-5
