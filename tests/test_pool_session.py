@@ -149,30 +149,34 @@ def test_a_signal_handler_raising_between_cells_is_the_ranks_error_and_the_pool_
         pool_magic(ip, "stop")
 
 
-# The same handler, made to raise in the narrowest window a loaded machine opens: rank 1's child is killed
-# (and is a zombie, so SIGCHLD is pending) just after the rank's reply and DONE went out, before the rank
-# returned to waiting. The rank's socket is wrapped only to choose that moment; the signal and the raise are real.
-RAISING_JUST_AFTER_THE_REPLY = RAISING_HANDLER.replace("subprocess.Popen(['sleep', '300']).pid\n", """
+# The same handler, made to raise at a chosen moment: rank 1's events socket is wrapped so that, once, a call
+# of METHOD that WHEN lets through is made, the socket is put back, and rank 1's child is killed (and waited
+# for as a zombie, so SIGCHLD is sent). The wrapper only chooses the moment; the signal and the raise are real.
+RAISING_AFTER = RAISING_HANDLER.replace("subprocess.Popen(['sleep', '300']).pid\n", """
 import gc, os, sys
 from xla_magic.launcher import serve
 if rank == 1:
     server = next(o for o in gc.get_objects() if isinstance(o, serve.RankServer))
     child = subprocess.Popen(['sleep', '300'])
-    class KillAfterSend:
+    class KillAfter:
         def __init__(self, sock):
             self.sock = sock
         def __getattr__(self, name):
             return getattr(self.sock, name)
-        def sendall(self, data):
-            self.sock.sendall(data)
-            if sys._getframe(1).f_code.co_name != "finish":
-                return  # an event during the cell, not its reply and DONE
-            server.channel.sock = self.sock
-            os.kill(child.pid, signal.SIGKILL)
-            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
-    server.channel.sock = KillAfterSend(server.channel.sock)
+        def METHOD(self, *args):
+            result = self.sock.METHOD(*args)
+            if WHEN:
+                server.channel.sock = self.sock
+                os.kill(child.pid, signal.SIGKILL)
+                os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+            return result
+    server.channel.sock = KillAfter(server.channel.sock)
 rank
 """)
+# The narrowest window a loaded machine opens after a cell: just after the rank's reply and DONE went out (not
+# an event during the cell), before the rank returned to waiting.
+RAISING_JUST_AFTER_THE_REPLY = RAISING_AFTER.replace("METHOD", "sendall").replace(
+    "WHEN", "sys._getframe(1).f_code.co_name == 'finish'")
 
 
 def test_a_signal_handler_raising_just_after_the_reply_went_out_is_told_with_the_next_cell(ip, spawn):
@@ -184,6 +188,32 @@ def test_a_signal_handler_raising_just_after_the_reply_went_out_is_told_with_the
         text = strip_ansi("\n".join(info.value._render_traceback_()))
         assert "rank(s) 1 failed" in text and "a worker of this rank exited unexpectedly" in text
         assert "between requests" in text
+        assert spawn("", "rank").value == [0, 1]
+    finally:
+        pool_magic(ip, "stop")
+
+
+# The window before a cell: between a request's bytes leaving the socket and the rank keeping them.
+RAISING_JUST_AS_A_REQUEST_IS_READ = RAISING_AFTER.replace("METHOD", "recv").replace("WHEN", "True")
+
+
+def test_a_signal_handler_raising_just_as_a_request_is_read_loses_no_request(ip, spawn):
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        assert spawn("", RAISING_JUST_AS_A_REQUEST_IS_READ).value == [0, 1]
+        # The next read is the next cell's request, or (where the rank was already waiting in a read) the one
+        # after: one of the two is answered with the handler's error, the other runs, and neither is lost
+        # (lost before the fix: its cell waited for its --timeout).
+        answers = []
+        for _ in range(2):
+            try:
+                answers.append(spawn("--timeout 120", "rank").value)
+            except RankError as error:
+                answers.append(strip_ansi("\n".join(error._render_traceback_())))
+        errors = [answer for answer in answers if isinstance(answer, str)]
+        assert len(errors) == 1 and [0, 1] in answers, answers
+        assert "rank(s) 1 failed" in errors[0] and "a worker of this rank exited unexpectedly" in errors[0]
+        assert "between requests" in errors[0] and "timed out" not in errors[0]
         assert spawn("", "rank").value == [0, 1]
     finally:
         pool_magic(ip, "stop")

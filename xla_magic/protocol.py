@@ -11,10 +11,14 @@ listens on a port, and only frames from such channels are unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, NamedTuple, TypedDict
 
 VERSION = 1
@@ -222,3 +226,54 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Inbox:
+    """What arrives on a channel, read by a thread of its own and kept until the main thread is done with it.
+
+    Python runs signal handlers in the main thread only, after any call of
+    its returns; one that raises (torch's SIGCHLD handler does when a
+    DataLoader worker dies) just after the main thread read bytes off a
+    socket loses them, and a request and the stream's framing with them.
+    Here the bytes become events in a thread no handler runs in, and the
+    main thread only looks at the first event (:meth:`first`) and, once
+    done with it, removes it (:meth:`take`): a handler raising anywhere in
+    between leaves it there, to be looked at again.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._events: list[Event] = []  # appended by the reader only, removed by take only (each one list call)
+        self._wake, self._woken = os.pipe()  # a byte a new event: what first() waits on
+        os.set_blocking(self._wake, False)
+        os.set_blocking(self._woken, False)
+        threading.Thread(target=self._read, name="xla_magic-inbox", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                event = self.channel.recv()
+            except OSError:
+                event = Event(CLOSED, {})
+            self._events.append(event)
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes the waiter as well
+                os.write(self._woken, b"\0")
+            if event.kind in (CLOSED, BROKEN):
+                return
+
+    def first(self, timeout: float | None = None) -> Event | None:
+        """The first event not yet taken, waiting for one up to ``timeout`` s (forever: None); None if none came."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._events:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            if select.select([self._wake], [], [], left)[0]:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake, 1 << 16)  # each byte stands for an event already appended
+        return self._events[0]
+
+    def take(self, event: Event) -> None:
+        """Done with ``event``: removed if it is still the first, so taking it twice takes nothing more."""
+        if self._events and self._events[0] is event:
+            del self._events[0]

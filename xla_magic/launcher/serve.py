@@ -31,7 +31,6 @@ import contextlib
 import io
 import os
 import pickle
-import select
 import threading
 import time
 import traceback
@@ -167,6 +166,7 @@ class RankServer:
     ) -> None:
         self.rank = rank
         self.channel = channel
+        self.inbox = protocol.Inbox(channel)  # what the kernel sends: read by a thread, so no signal handler loses it
         self.streams = streams
         self.rank_names = rank_names
         self.closing = closing  # a one-shot rank's rendezvous after its cell, else None
@@ -196,29 +196,26 @@ class RankServer:
         }
 
     def serve(self) -> None:
-        """Answer requests until the kernel closes the socket."""
+        """Answer requests until the kernel closes the socket.
+
+        A signal handler of the cell's (torch's SIGCHLD) may raise anywhere
+        in this loop (see failed_outside). A request stays first in the inbox
+        until it is answered, and one whose DONE went out is not answered
+        again: so a raise never loses a request, nor answers one twice.
+        """
         while True:
             try:
-                if not self._wait_for_request():
-                    continue
-                request = self.channel.recv()
+                request = self.inbox.first()
                 if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                     return
-                if request.kind == protocol.SHOWN:
-                    continue  # the answer to a display that an interrupt stopped waiting for
-                self.answer(request)
+                # SHOWN here answers a display that an interrupt stopped waiting for
+                if request.kind != protocol.SHOWN and request.fields.get("seq") != self._answered:
+                    self.answer(request)
+                self.inbox.take(request)
             except OSError:
                 return  # the kernel is gone
-            except Exception as exc:  # a signal handler of the cell's (torch's SIGCHLD) raised between requests
+            except Exception as exc:  # a signal handler of the cell's raised between requests
                 self.failed_outside(exc)
-
-    def _wait_for_request(self) -> bool:
-        """Wait until a request is there to read.
-
-        A signal handler that raises while the rank is idle (see failed_outside)
-        then raises here, and not just after a request was read, which would lose it.
-        """
-        return bool(select.select([self.channel.sock], [], [])[0])
 
     def answer(self, request: protocol.Event) -> bool:
         """Answer one request (interrupts stop its cell only); True when it succeeded."""
@@ -302,12 +299,9 @@ class RankServer:
         """
         self.flush_output()
         self.channel.send(protocol.DISPLAY, what=what, data=data)
-        deadline = time.monotonic() + DISPLAY_WAIT
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.channel.sock], [], [], max(0.0, deadline - time.monotonic()))
-            if ready:
-                self.channel.recv()  # SHOWN: the kernel sends nothing else while a cell runs
-                return
+        shown = self.inbox.first(DISPLAY_WAIT)  # the kernel sends nothing else while a cell runs
+        if shown is not None and shown.kind == protocol.SHOWN:
+            self.inbox.take(shown)
 
     def flush_output(self) -> None:
         self.streams.flush()
