@@ -82,6 +82,22 @@ def wait_zombie(pid: int, within: float = 30.0) -> bool:
     return wait_for(zombie, within, every=0.05)
 
 
+def stopped(pid: int, within: float = WITHIN) -> bool:
+    """Every thread of ``pid`` is stopped (SIGSTOP took hold: none can read a socket any more), as /proc says.
+
+    kill() returns before that: a thread asleep in a read is only woken to stop, and one that finds data
+    when it runs reads it first (a rank reads its requests in a thread of its own: protocol.Inbox).
+    """
+    def all_stopped() -> bool:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            states = [open(f"/proc/{pid}/task/{tid}/stat").read().rpartition(")")[2].split()[0] for tid in tasks]
+        except FileNotFoundError:
+            return False
+        return all(state in ("T", "t") for state in states)
+    return wait_for(all_stopped, within)
+
+
 # A cell that starts a helper in a session of its own and a daemon (fork, setsid, fork again, the middle one
 # exits, and the cell reaps it: the daemon is then the rank's own, as ranks are subreapers), and names the
 # processes it now has: two a rank.

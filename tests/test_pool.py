@@ -21,7 +21,7 @@ from IPython.utils.capture import capture_output
 
 from conftest import BACKING, kernel_is_xla_free
 from helpers import (WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in, pool_magic,
-                     press_stop, shown, wait_for, wait_gone, when)
+                     press_stop, shown, stopped, wait_for, wait_gone, when)
 from xla_magic import transport
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
 from xla_magic.ranks import Ranks
@@ -517,6 +517,7 @@ def test_an_interrupt_that_comes_before_a_rank_reads_its_request_still_stops_the
 
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
+    assert all(stopped(pid) for pid in pids)
     # Once the request is in the ranks' sockets (the kernel waits for answers): they are stopped, so it is unread.
     pressed = when(lambda: main_thread_in(Request.pump) and all(unsent(pool.ranks.events[r].sock) for r in pool.pids),
                    interrupt_then_wake_the_ranks)
@@ -534,6 +535,7 @@ def test_an_interrupt_while_a_request_is_sent_breaks_the_pool_and_leaks_nothing(
     selectors_before = epoll_descriptors()
     pids = pool.pids
     os.kill(pids[0], signal.SIGSTOP)  # rank 0 reads nothing: the large request below fills its socket
+    assert stopped(pids[0])
     ip.user_ns["bulky"] = list(range(2_000_000))  # ~10 MB of pickle, sent inline
     # Once part of it waits in rank 0's socket, the kernel still sending the rest.
     pressed = interrupt_when(lambda: main_thread_in(Ranks.send) and unsent(pool.ranks.events[0].sock) > 0)
