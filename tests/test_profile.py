@@ -151,24 +151,31 @@ seen(5)
 """
 
 
-def seen(line: int) -> None:
-    """In a rank: wait until its line sampler has seen this thread at cell line ``line`` (an event, not a time).
+def _seen():
+    def seen(line: int) -> None:
+        """In a rank: wait until its line sampler has seen this thread at cell line ``line`` (an event, not a time).
 
-    Defined here, not in the cell, so that the cell's innermost line is the one that calls it."""
-    import threading
-    import time
+        Defined here, not in the cell, so that the cell's innermost line is the one that calls it; nested, so
+        that it travels by value (an engine on another host cannot import this module)."""
+        import threading
+        import time
 
-    from xla_magic.launcher import profiling
+        from xla_magic.launcher import profiling
 
-    sampler, me = profiling.profiler().lines, threading.get_ident()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with sampler.lock:
-            spans = sampler.spans[sampler.threads[me]]
-            if spans and spans[-1][0] == line:
-                return
-        time.sleep(0.001)  # polling the sampler's spans
-    raise AssertionError(f"the line sampler never saw line {line}")
+        sampler, me = profiling.profiler().lines, threading.get_ident()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with sampler.lock:
+                spans = sampler.spans[sampler.threads[me]]
+                if spans and spans[-1][0] == line:
+                    return
+            time.sleep(0.001)  # polling the sampler's spans
+        raise AssertionError(f"the line sampler never saw line {line}")
+
+    return seen
+
+
+seen = _seen()
 
 
 def check_lines(one, rank: int) -> None:

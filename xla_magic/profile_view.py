@@ -136,6 +136,8 @@ def _lines(found: Lane, events: list[dict[str, Any]], path: str) -> None:
     shift = marker["ts"] - sampled["origin"] - events[0]["ts"]
     found.period_ms = sampled["period_ms"]
     for rank, spans in sampled["ranks"].items():
+        if not spans:  # a cell shorter than one period
+            continue
         found.lines[int(rank)] = [Event("line", f"line {line}", start + shift, end - start, text)
                                   for line, text, start, end in spans]
         found.span = max([found.span] + [event.start + event.duration for event in found.lines[int(rank)]])
@@ -299,7 +301,8 @@ def files(record: RunRecord, found: list[Lane]) -> list[str]:
     """Where the trace files are, and how to open them."""
     lines = [f"{_who(one.ranks, one.where)} on {one.where.get('host', '?')}: "
              + (", ".join(p for p in (one.where.get("trace"), one.where.get("xplane")) if p) or one.problem)
-             + (f" (copied from the host's {one.where['on_host']})" if one.where.get("on_host") else "")
+             + (f" ({'copied from' if one.where.get('trace') else 'its folder on'} the host's {one.where['on_host']})"
+                if one.where.get("on_host") else "")
              for one in found]
     missing = {rank: state.state for rank, state in sorted(record.ranks.items()) if state.profile is None}
     if missing:  # a rank stopped before its cell ended (fail-fast, an interrupt) sent no trace
