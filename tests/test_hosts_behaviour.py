@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -17,8 +16,8 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST
-from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
+from tests.hosts_fixtures import RANKS_PER_HOST, listeners
+from tests.hosts_fixtures import hosts, kernel_place, pool, pool_of_the_module  # noqa: F401 (fixtures)
 
 WORLD = 2 * RANKS_PER_HOST
 
@@ -40,11 +39,6 @@ def cell(ip, source: str, line: str = "") -> tuple[Any, str, str]:
 def root(hosts, index: int) -> str:
     """Host ``index``'s file system as its processes see it (its own /tmp and /dev/shm)."""
     return f"/proc/{hosts.hosts()[index]['pid']}/root"
-
-
-def on_host(hosts, index: int, *argv: str) -> str:
-    return subprocess.run(hosts.command(hosts.address(index)) + list(argv), capture_output=True, text=True,
-                          check=True).stdout
 
 
 class Held:
@@ -153,15 +147,6 @@ def _files_holding(key: bytes, top: str, newer_than: float = 0.0) -> list[str]:
 # --- listeners only where they must be -----------------------------------------------------
 
 
-def listeners(hosts, index: int) -> list[tuple[str, str]]:
-    """(local address, process) of every TCP listener on host ``index``."""
-    rows = []
-    for line in on_host(hosts, index, "ss", "-Hltnp").splitlines():
-        fields = line.split()
-        rows.append((fields[3], fields[-1] if len(fields) > 5 else ""))
-    return rows
-
-
 def test_no_port_on_any_host_listens_on_every_interface_while_a_collective_runs(ip, pool, hosts):
     collective = ("import torch, torch_xla.core.xla_model as xm\n"
                   "xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=device))  # the store and gloo are up")
@@ -204,28 +189,6 @@ def test_every_line_of_every_rank_reaches_the_kernel_in_order_and_the_fold_names
 
 
 # --- the kernel's place on every host ---------------------------------------------------------------
-
-
-@pytest.fixture
-def kernel_place():
-    """A directory every host has (the simulated hosts share the file system but /tmp and /dev/shm), holding a
-    module; the kernel's directory, sys.path and environment put back afterwards."""
-    import shutil
-    import sys
-
-    shared = tempfile.mkdtemp(prefix="xla_magic-place-", dir=os.path.expanduser("~"))
-    os.makedirs(os.path.join(shared, "other"))
-    with open(os.path.join(shared, "placed_module.py"), "w") as module:
-        module.write("WHERE = 'the kernel put me on the path'\n")
-    cwd, path, environment = os.getcwd(), list(sys.path), dict(os.environ)
-    try:
-        yield shared
-    finally:
-        os.chdir(cwd)
-        sys.path[:] = path
-        os.environ.clear()
-        os.environ.update(environment)
-        shutil.rmtree(shared, ignore_errors=True)
 
 
 PLACE = "import os, sys\n(os.getcwd(), os.environ.get('XLA_MAGIC_TEST_PLACE'), '{path}' in sys.path)"
