@@ -23,7 +23,10 @@ Kinds, by torch_xla's own event names:
 - device op: what ran on the device (XLA:CPU's client thread, a TPU's
   ``/device:`` process);
 - Python: the cell's thread where no event is (torch_xla's in-process
-  profiler records no Python frames, so no lines).
+  profiler records no Python frames);
+- line: the cell's line, by line, as the rank sampled it every few ms
+  beside the trace (``python-lines.json``, launcher/profiling.py), one row
+  per rank thread, drawn as sampled, not traced.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ HOST_STEPS = {"StepMarker", "SyncLiveTensorsGraph", "SyncTensorsGraph", "SyncTen
               "CollectSyncTensors", "ScheduleSyncTensorsGraph", "RunInvariantCheckers", "Codegen"}
 NOT_OPS = re.compile(r"^end: |ThreadpoolListener|ThunkExecutor|^Wait for|TaskDispatcher|::")
 _SYNC_STEPS = ("StepMarker", "XLAGraphExecutor::Compile")  # the first of them names the cell's thread
+OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sampled lines' clock)
 
 
 @dataclass(slots=True)
@@ -71,6 +75,8 @@ class Lane:
     ops: dict[str, list[float]] = field(default_factory=dict)  # device op name -> durations (µs)
     span: float = 0.0  # µs from its first event to its last one's end
     problem: str = ""
+    lines: dict[int, list[Event]] = field(default_factory=dict)  # rank -> its cell's lines, as sampled
+    period_ms: float = 0.0  # how often they were sampled
     _totals: dict[str, float] | None = field(default=None, repr=False, compare=False)
 
     def time_by_kind(self) -> dict[str, float]:
@@ -93,6 +99,9 @@ def read_trace(path: str) -> dict[str, Any]:
 def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
     """A rank process's trace as a lane; ``labels`` names compiles by graph hash (from the XLA report)."""
     found = Lane(sorted(where.get("ranks", ())), where)
+    if where.get("unsent"):  # on several hosts: a trace its host could not send
+        found.problem = f"n/a: {where['unsent']}"
+        return found
     if where.get("error"):
         found.problem = f"the profiler did not run: {where['error']}"
         return found
@@ -104,8 +113,29 @@ def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
     except (OSError, ValueError, EOFError) as exc:
         found.problem = f"its trace could not be read: {type(exc).__name__}: {exc}"
         return found
-    _fill(found, trace.get("traceEvents", []), labels or {})
+    filled = _fill(found, trace.get("traceEvents", []), labels or {})
+    if where.get("lines") and filled is not None:
+        _lines(found, *filled, where["lines"])
     return found
+
+
+def _lines(found: Lane, origin: float, by_thread: dict[Any, list[dict[str, Any]]], path: str) -> None:
+    """The sampled cell lines, on the trace's clock (the rank's ORIGIN annotation ties the two)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            sampled = json.load(file)
+        marker = min((e for there in by_thread.values() for e in there if e["name"] == sampled["origin_event"]),
+                     key=_time_order)
+    except (OSError, ValueError, KeyError):  # (min of nothing is a ValueError)
+        return  # no lines: the trace still stands
+    shift = marker["ts"] - sampled["origin"] - origin
+    found.period_ms = sampled["period_ms"]
+    for rank, spans in sampled["ranks"].items():
+        if not spans:  # a cell shorter than one period
+            continue
+        found.lines[int(rank)] = [Event("line", f"line {line}", start + shift, end - start, text)
+                                  for line, text, start, end in spans]
+        found.span = max([found.span] + [event.start + event.duration for event in found.lines[int(rank)]])
 
 
 def complete_events(trace_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -128,7 +158,7 @@ class _Names:
     def is_op(self, name: str) -> bool:
         found = self.op.get(name)
         if found is None:
-            found = self.op[name] = not NOT_OPS.search(name)
+            found = self.op[name] = not NOT_OPS.search(name) and not name.startswith(OURS)
         return found
 
     def is_collective(self, name: str) -> bool:
@@ -144,8 +174,13 @@ class _Names:
         return found
 
 
-def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str]) -> None:
-    """Sort the trace's complete events into the lane's kinds, thread by thread (see the module's docstring)."""
+def _fill(found: Lane, trace_events: list[dict[str, Any]],
+          labels: dict[str, str]) -> tuple[float, dict[Any, list[dict[str, Any]]]] | None:
+    """Sort the trace's complete events into the lane's kinds, thread by thread (see the module's docstring).
+
+    Returns the first event's start and the complete events by thread (None
+    when there are none); our own annotations (OURS) are in those, not in the lane.
+    """
     threads: dict[tuple[Any, Any], str] = {}
     processes: dict[Any, str] = {}
     by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
@@ -173,7 +208,7 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
                 processes[e.get("pid")] = e.get("args", {}).get("name", "")
     if not by_thread:
         found.problem = "its trace holds no events"
-        return
+        return None
     found.span = last - origin
     cell_thread = _cell_thread(by_thread, threads)
     known = _Names()
@@ -185,6 +220,7 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
         else:
             _other_events(found, there, origin, labels, known)
     found.events.sort(key=_start)
+    return origin, by_thread
 
 
 def _cell_thread(by_thread: dict[tuple[Any, Any], list[dict[str, Any]]], threads: dict[tuple[Any, Any], str]) -> Any:
@@ -231,7 +267,7 @@ def _other_events(found: Lane, there: list[dict[str, Any]], origin: float, label
         name = e["name"]
         kind = NAMED.get(name)
         if kind is None:
-            if not known.is_collective(name):
+            if not known.is_collective(name) or name.startswith(OURS):
                 continue
             kind = "collective/wait"
         events.append(_event(e, kind, origin, labels))
@@ -247,6 +283,8 @@ def _cell_events(found: Lane, there: list[dict[str, Any]], origin: float, labels
     compiling_until = -1.0  # the end of the compile now open: its passes are skipped at once
     for e in there:
         name = e["name"]
+        if name.startswith(OURS):
+            continue
         start = e["ts"] - origin
         kind = NAMED.get(name)
         if kind is None and start < compiling_until:

@@ -13,6 +13,7 @@ import os
 import re
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 from xla_magic.display import in_notebook
 from xla_magic.profile_trace import KINDS, Event, Lane, Reader, lanes
@@ -24,6 +25,7 @@ COLORS = {"compile": "#f59e0b", "execute": "#16a34a", "device→host": "#dc2626"
           "collective/wait": "#2563eb", "annotation": "#7c3aed", "device op": "#0d9488", "Python": "#cbd5e1"}
 ROWS = (("host", ("annotation", "compile", "device→host", "host→device", "Python")),
         ("runtime", ("execute", "collective/wait")), ("device", ("device op",)))
+LINE_COLORS = ("#94a3b8", "#64748b", "#a5b4fc", "#818cf8", "#fdba74", "#fb923c")
 
 
 # --- the tables -------------------------------------------------------------------
@@ -67,18 +69,27 @@ def slowest(found: list[Lane]) -> str:
     mine = worst.time_by_kind()
     kind = max(KINDS, key=lambda k: mine[k] - theirs[k])
     more = mine[kind] - theirs[kind]
-    told = f"slowest: {_who(worst.ranks)}, {_ms(worst.span)} against a median of {_ms(typical)} for the others"
+    told = f"slowest: {_who(worst.ranks, worst.where)}, {_ms(worst.span)} against a median of {_ms(typical)} for the others"
     return told + (f" ({_ms(more)} more {kind})" if more > 0 else "")
 
 
-def _who(ranks: list[int]) -> str:
+def _who(ranks: list[int], where: dict[str, Any] | None = None) -> str:
+    """"rank 0", "ranks 0, 1"; on several hosts as the output is tagged: "h1 r2", "h1 r2, r3"."""
+    if where is not None and "host_index" in where:
+        return f"h{where['host_index']} " + ", ".join(f"r{rank}" for rank in ranks)
     return f"rank{'s' * (len(ranks) > 1)} " + ", ".join(map(str, ranks))
+
+
+def _tag(rank: int, where: dict[str, Any]) -> str:
+    return f"h{where['host_index']} r{rank}" if "host_index" in where else f"r{rank}"
 
 
 def files(record: RunRecord, found: list[Lane]) -> list[str]:
     """Where the trace files are, and how to open them."""
-    lines = [f"{_who(one.ranks)} on {one.where.get('host', '?')}: "
+    lines = [f"{_who(one.ranks, one.where)} on {one.where.get('host', '?')}: "
              + (", ".join(p for p in (one.where.get("trace"), one.where.get("xplane")) if p) or one.problem)
+             + (f" ({'copied from' if one.where.get('trace') else 'its folder on'} the host's {one.where['on_host']})"
+                if one.where.get("on_host") else "")
              for one in found]
     missing = {rank: state.state for rank, state in sorted(record.ranks.items()) if state.profile is None}
     if missing:  # a rank stopped before its cell ended (fail-fast, an interrupt) sent no trace
@@ -101,18 +112,22 @@ def text(record: RunRecord, found: list[Lane] | None = None) -> str:
     for one in found:
         totals = one.time_by_kind()
         parts = ", ".join(f"{kind} {_ms(totals[kind])}" for kind in KINDS if totals[kind])
-        lines.append(f"  {_who(one.ranks)}: {_ms(one.span)}" + (f" — {parts}" if parts else "")
+        lines.append(f"  {_who(one.ranks, one.where)}: {_ms(one.span)}" + (f" — {parts}" if parts else "")
                      + (f" ({one.problem})" if one.problem else ""))
         compiles = [event for event in one.events if event.kind == "compile"]
         for event in compiles[:4]:
             lines.append(f"      compile {_ms(event.duration)}" + (f": {event.label}" if event.label else ""))
+        for rank, marks_of_lines in sorted(one.lines.items()):
+            lines.append(f"      {_tag(rank, one.where)} lines (sampled every {one.period_ms:g} ms): "
+                         f"{top_lines(marks_of_lines)}")
     table = op_rows(found)
     if table:
         lines += ["", "Top device ops:"] + [f"  {name[:60]:<60} ×{count:<6} {total}" for name, count, total in table]
     told = slowest(found)
     if told:
         lines += ["", told]
-    lines += [""] + files(record, found)
+    note = line_note(found)
+    lines += [""] + ([note] if note else []) + files(record, found)
     return "\n".join(lines)
 
 
@@ -126,7 +141,7 @@ THINNEST = 0.3  # the narrowest mark drawn, in viewBox units
 # A unit is about a pixel at 1× (the notebook's width); at the widest zoom (16×) a sixteenth of one is a pixel:
 # marks of one kind closer than that are one mark, as the eye sees them there.
 PIXEL = 1 / 16
-_CSS = {kind: "xla-" + re.sub(r"[^a-z]+", "-", kind.lower()).strip("-") for kind in KINDS}
+_CSS = {kind: "xla-" + re.sub(r"[^a-z]+", "-", kind.lower()).strip("-") for kind in KINDS + ("line",)}
 
 
 @dataclass(slots=True)
@@ -189,9 +204,10 @@ def scale(found: list[Lane]) -> float:
 
 
 def svg(found: list[Lane]) -> str:
-    """One lane per rank, three rows each (host, runtime, device), on one time axis (each rank from its own start)."""
+    """One lane per rank, three rows each (host, runtime, device) and a row of cell lines per rank thread where
+    they were sampled, on one time axis (each rank from its own start)."""
     end, per_us = _end(found), scale(found)
-    height = 24 + len(found) * (len(ROWS) * ROW + LANE_GAP)
+    height = 24 + sum((len(ROWS) + len(one.lines)) * ROW + LANE_GAP for one in found)
     parts = [f'<svg class="xla-timeline" viewBox="0 0 {WIDTH} {height}" preserveAspectRatio="none" '
              f'xmlns="http://www.w3.org/2000/svg" font-size="9" font-family="sans-serif">']
     for tick in range(6):
@@ -200,17 +216,50 @@ def svg(found: list[Lane]) -> str:
                      f'<text x="{x:.1f}" y="9" text-anchor="middle" fill="#666">{_ms(end * tick / 5)}</text>')
     y = 16
     for one in found:
-        parts.append(f'<text x="2" y="{y + ROW + 3}" fill="#111">{html.escape(_who(one.ranks))}</text>')
-        for row, (name, kinds) in enumerate(ROWS):
+        parts.append(f'<text x="2" y="{y + ROW + 3}" fill="#111">{html.escape(_who(one.ranks, one.where))}</text>')
+        rows = [(name, marks(one, per_us, kinds)) for name, kinds in ROWS]
+        rows += [(f"{_tag(rank, one.where)} lines", [_line_mark(event, per_us) for event in sampled])
+                 for rank, sampled in sorted(one.lines.items())]
+        for row, (name, drawn) in enumerate(rows):
             top = y + row * ROW
             parts.append(f'<text x="{LEFT - 4}" y="{top + 9}" text-anchor="end" fill="#999" font-size="7">{name}</text>')
-            for mark in marks(one, per_us, kinds)[:MARKS_KEPT]:
+            for mark in drawn[:MARKS_KEPT]:
+                if mark.kind == "line":
+                    event = mark.events[0]
+                    tip = (f"{event.name}: {event.label} — {_ms(event.duration)} at {_ms(event.start)} "
+                           f"(sampled every {one.period_ms:g} ms)")
+                    color = LINE_COLORS[int(event.name.split()[-1]) % len(LINE_COLORS)]
+                else:
+                    tip, color = mark.tip(), COLORS[mark.kind]
                 parts.append(f'<rect class="{_CSS[mark.kind]}" x="{mark.left:.2f}" y="{top + 1}" '
-                             f'width="{mark.right - mark.left:.2f}" height="{ROW - 2}" fill="{COLORS[mark.kind]}">'
-                             f'<title>{html.escape(mark.tip())}</title></rect>')
-        y += len(ROWS) * ROW + LANE_GAP
+                             f'width="{mark.right - mark.left:.2f}" height="{ROW - 2}" fill="{color}">'
+                             f'<title>{html.escape(tip)}</title></rect>')
+        y += len(rows) * ROW + LANE_GAP
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _line_mark(event: Event, per_us: float) -> Mark:
+    """A sampled line is a mark of its own (each line its colour)."""
+    left = LEFT + event.start * per_us
+    return Mark("line", left, left + max(event.duration * per_us, THINNEST), [event])
+
+
+def line_note(found: list[Lane]) -> str:
+    """What the rows of lines are: samples, not a trace."""
+    periods = sorted({one.period_ms for one in found if one.lines})
+    if not periods:
+        return ""
+    return (f"lines: the cell's current line on each rank thread, sampled every {'/'.join(f'{p:g}' for p in periods)}"
+            " ms beside the trace (torch_xla's profiler records no Python): a line shorter than that may not show")
+
+
+def top_lines(marks: list[Event], limit: int = 4) -> str:
+    """The lines that took the most sampled time: "line 3 120 ms, line 2 40 ms"."""
+    totals: dict[str, float] = {}
+    for event in marks:
+        totals[event.name] = totals.get(event.name, 0.0) + event.duration
+    return ", ".join(f"{name} {_ms(total)}" for name, total in sorted(totals.items(), key=lambda i: -i[1])[:limit])
 
 
 STYLE = """<style>
@@ -241,7 +290,7 @@ def page(record: RunRecord, found: list[Lane] | None = None) -> str:
         rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
         return f"<table><tr>{head}</tr>{rows}</table>"
 
-    problems = [f"{_who(one.ranks)}: {one.problem}" for one in found if one.problem]
+    problems = [f"{_who(one.ranks, one.where)}: {one.problem}" for one in found if one.problem]
     parts = [STYLE, '<div class="xla-profile">', f"<h4>Profile of run {record.run_id}</h4>",
              f'<div class="xla-legend">{legend}</div>', f"zoom: {zoom}",
              f'<div class="xla-zoom">{svg(found)}</div>',
@@ -249,7 +298,9 @@ def page(record: RunRecord, found: list[Lane] | None = None) -> str:
              table(("top device ops", "count", "time"), op_rows(found))]
     told = slowest(found)
     parts += [f"<div>{html.escape(told)}</div>"] if told else []
-    parts += [f'<div class="xla-note">{html.escape(line)}</div>' for line in problems + files(record, found)]
+    note = line_note(found)
+    parts += [f'<div class="xla-note">{html.escape(line)}</div>'
+              for line in problems + ([note] if note else []) + files(record, found)]
     parts.append("</div>")
     return "".join(parts)
 

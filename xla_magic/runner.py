@@ -65,6 +65,7 @@ class Runner:
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
         self.last_cell: RunRecord | None = None
         self.last_profiled: RunRecord | None = None  # the last --profile cell, for %xla_profile
+        self.shows_profiles = True  # False on one of several hosts: the kernel shows every host's (hosts/profiles.py)
 
     # -- the launcher ------------------------------------------------------
 
@@ -138,7 +139,7 @@ class Runner:
             request.start()
             self.one_value = ranks.one_value
             # --profile: each rank process's trace is read as soon as the rank says where it is (profile_view.Reader)
-            reader = profile_view.Reader() if cell.profile else None
+            reader = profile_view.Reader() if cell.profile and self.shows_profiles else None
             if reader is not None:
                 self.listeners.append(reader.notice)
             try:
