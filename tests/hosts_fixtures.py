@@ -4,13 +4,18 @@ Also the module's pool across them (``pool``, with ``pool_of_the_module``): a
 test module that imports both gets a ready pool in every test, started on
 first use and again where an earlier test broke or stopped it, so its tests
 pass in any order; it is stopped when the module ends.
+
+A module names its hosts apart from other modules' with ``HOSTS_TAG``; it may
+set ``HOSTS`` (how many, default 2) and ``RANKS_PER_HOST`` (default 2).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Iterator
 
@@ -19,6 +24,7 @@ import pytest
 from helpers import pool_magic
 from xla_magic.hosts.simulated import SimulatedHosts
 
+HOSTS = 2
 RANKS_PER_HOST = 2  # the machine has 2 cores: 2 hosts x 2 ranks
 
 
@@ -47,10 +53,15 @@ def make_hosts(tag: int, count: int = 2) -> SimulatedHosts:
     return hosts
 
 
+def shape(module) -> tuple[int, int]:
+    """A test module's hosts and ranks per host (its HOSTS and RANKS_PER_HOST, or 2 x 2)."""
+    return getattr(module, "HOSTS", HOSTS), getattr(module, "RANKS_PER_HOST", RANKS_PER_HOST)
+
+
 @pytest.fixture(scope="module")
 def hosts(request) -> Iterator[SimulatedHosts]:
-    """Two simulated hosts for the module, named by its HOSTS_TAG (apart from other modules' and runs')."""
-    simulated = make_hosts(request.module.HOSTS_TAG)
+    """The module's simulated hosts (``HOSTS`` of them), named by its HOSTS_TAG (apart from other modules' and runs')."""
+    simulated = make_hosts(request.module.HOSTS_TAG, shape(request.module)[0])
     try:
         yield simulated
     finally:
@@ -67,24 +78,59 @@ def pool_of_the_module(ip):
 
 
 @pytest.fixture
-def pool(ip, hosts, pool_of_the_module):
+def pool(request, ip, hosts, pool_of_the_module):
     """The module's pool across ``hosts`` (the module's fixture), ready for this test."""
     running = ip._xla_magic_session.current_pool()
     if running is None:
-        shown = pool_magic(ip, start_line(hosts))
-        assert "pool ready" in shown and f"{len(hosts.addresses())} hosts x {RANKS_PER_HOST} ranks" in shown, shown
+        ranks = shape(request.module)[1]
+        shown = pool_magic(ip, start_line(hosts, ranks))
+        assert "pool ready" in shown and f"{len(hosts.addresses())} hosts x {ranks} ranks" in shown, shown
     elif running.state == "broken":
         assert "pool ready" in pool_magic(ip, "restart")
     yield ip._xla_magic_session.pool
+
+
+@pytest.fixture
+def kernel_place():
+    """A directory every host has (the simulated hosts share the file system but /tmp and /dev/shm), holding a
+    module; the kernel's directory, sys.path and environment put back afterwards."""
+    shared = tempfile.mkdtemp(prefix="xla_magic-place-", dir=os.path.expanduser("~"))
+    os.makedirs(os.path.join(shared, "other"))
+    with open(os.path.join(shared, "placed_module.py"), "w") as module:
+        module.write("WHERE = 'the kernel put me on the path'\n")
+    cwd, path, environment = os.getcwd(), list(sys.path), dict(os.environ)
+    try:
+        yield shared
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(environment)
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def launch_template(hosts: SimulatedHosts) -> str:
     return f"{sys.executable} -m xla_magic.hosts.simulated --name {hosts.name} --subnet {hosts.subnet} exec {{host}} --"
 
 
-def start_line(hosts: SimulatedHosts) -> str:
-    return (f"start --hosts {','.join(hosts.addresses())} --devices {RANKS_PER_HOST} --backend cpu "
+def start_line(hosts: SimulatedHosts, ranks: int = RANKS_PER_HOST) -> str:
+    return (f"start --hosts {','.join(hosts.addresses())} --devices {ranks} --backend cpu "
             f"--launch '{launch_template(hosts)}'")
+
+
+def on_host(hosts: SimulatedHosts, index: int, *argv: str) -> str:
+    """What ``argv`` prints, run on host ``index``."""
+    return subprocess.run(hosts.command(hosts.address(index)) + list(argv), capture_output=True, text=True,
+                          check=True).stdout
+
+
+def listeners(hosts: SimulatedHosts, index: int) -> list[tuple[str, str]]:
+    """(local address, process) of every TCP listener on host ``index``."""
+    rows = []
+    for line in on_host(hosts, index, "ss", "-Hltnp").splitlines():
+        fields = line.split()
+        rows.append((fields[3], fields[-1] if len(fields) > 5 else ""))
+    return rows
 
 
 def wait_until_empty(hosts: SimulatedHosts, within: float = 60.0) -> dict[str, list[str]]:

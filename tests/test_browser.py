@@ -279,6 +279,12 @@ def page(server):
                 )
             tab.goto(f"{server.url}{FRONT_END.path}?token={server.token}")
             tab.wait_for_selector(FRONT_END.cell)
+            if FRONT_END is LAB:
+                # A handler fires only around Playwright's own actions, not while a wait runs: so the
+                # first wait is for either the idle kernel or the dialog, and a dialog gets its click here.
+                kernel_dialog.or_(tab.locator(FRONT_END.idle)).first.wait_for()
+                if kernel_dialog.is_visible():
+                    kernel_dialog.get_by_role("button", name="Select", exact=True).click()
             tab.wait_for_selector(FRONT_END.idle)
             yield tab
         finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -17,8 +16,8 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import RANKS_PER_HOST
-from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
+from tests.hosts_fixtures import RANKS_PER_HOST, listeners
+from tests.hosts_fixtures import hosts, kernel_place, pool, pool_of_the_module  # noqa: F401 (fixtures)
 
 WORLD = 2 * RANKS_PER_HOST
 
@@ -40,11 +39,6 @@ def cell(ip, source: str, line: str = "") -> tuple[Any, str, str]:
 def root(hosts, index: int) -> str:
     """Host ``index``'s file system as its processes see it (its own /tmp and /dev/shm)."""
     return f"/proc/{hosts.hosts()[index]['pid']}/root"
-
-
-def on_host(hosts, index: int, *argv: str) -> str:
-    return subprocess.run(hosts.command(hosts.address(index)) + list(argv), capture_output=True, text=True,
-                          check=True).stdout
 
 
 class Held:
@@ -153,15 +147,6 @@ def _files_holding(key: bytes, top: str, newer_than: float = 0.0) -> list[str]:
 # --- listeners only where they must be -----------------------------------------------------
 
 
-def listeners(hosts, index: int) -> list[tuple[str, str]]:
-    """(local address, process) of every TCP listener on host ``index``."""
-    rows = []
-    for line in on_host(hosts, index, "ss", "-Hltnp").splitlines():
-        fields = line.split()
-        rows.append((fields[3], fields[-1] if len(fields) > 5 else ""))
-    return rows
-
-
 def test_no_port_on_any_host_listens_on_every_interface_while_a_collective_runs(ip, pool, hosts):
     collective = ("import torch, torch_xla.core.xla_model as xm\n"
                   "xm.all_reduce(xm.REDUCE_SUM, torch.ones(1, device=device))  # the store and gloo are up")
@@ -206,28 +191,6 @@ def test_every_line_of_every_rank_reaches_the_kernel_in_order_and_the_fold_names
 # --- the kernel's place on every host ---------------------------------------------------------------
 
 
-@pytest.fixture
-def kernel_place():
-    """A directory every host has (the simulated hosts share the file system but /tmp and /dev/shm), holding a
-    module; the kernel's directory, sys.path and environment put back afterwards."""
-    import shutil
-    import sys
-
-    shared = tempfile.mkdtemp(prefix="xla_magic-place-", dir=os.path.expanduser("~"))
-    os.makedirs(os.path.join(shared, "other"))
-    with open(os.path.join(shared, "placed_module.py"), "w") as module:
-        module.write("WHERE = 'the kernel put me on the path'\n")
-    cwd, path, environment = os.getcwd(), list(sys.path), dict(os.environ)
-    try:
-        yield shared
-    finally:
-        os.chdir(cwd)
-        sys.path[:] = path
-        os.environ.clear()
-        os.environ.update(environment)
-        shutil.rmtree(shared, ignore_errors=True)
-
-
 PLACE = "import os, sys\n(os.getcwd(), os.environ.get('XLA_MAGIC_TEST_PLACE'), '{path}' in sys.path)"
 
 
@@ -269,3 +232,68 @@ def test_a_directory_the_hosts_lack_is_an_error_naming_each_host(ip, pool, hosts
         assert f"{only_here} cannot be used here (on {hosts.hostname(index)})" in shown
     ip.run_line_magic("cd", kernel_place)
     assert cell(ip, "import os\nos.getcwd()")[0] == [kernel_place] * WORLD  # the pool goes on
+
+
+# --- --profile on every host ------------------------------------------------------------------------
+
+PROFILED = """import torch, torch_xla
+a = torch.ones(32, 32, device=device) * (rank + 1)
+b = a * 2
+y = (a @ b).sum(); torch_xla.sync(); y.item(); seen(4)
+seen(5)
+"""
+
+
+def test_a_profiled_cell_records_every_rank_on_every_host_and_brings_its_files_to_the_kernel(ip, pool, hosts):
+    from test_profile import check_lines, file_events, seen
+
+    from xla_magic import profile_view
+
+    ip.user_ns["seen"] = seen
+    _, out, _ = cell(ip, PROFILED, line="--profile")
+    session = ip._xla_magic_session
+    record = session.last_profiled
+    assert record.profile.startswith(tempfile.gettempdir()) and os.path.isdir(record.profile)
+    found = profile_view.lanes(record)
+    assert [one.ranks for one in found] == [[r] for r in range(WORLD)]
+    for one in found:
+        [r] = one.ranks
+        h, where = r // RANKS_PER_HOST, one.where
+        assert not one.problem, one.problem
+        # The kernel's copy, in its session directory, under h<H>r<R>; and the host's own, on the host's /tmp.
+        mine = os.path.join(record.profile, f"h{h}r{r}")
+        hostname, _, folder = where["on_host"].partition(":")
+        assert hostname == hosts.hostname(h) and not os.path.exists(folder)  # not the kernel's /tmp
+        for key in ("trace", "xplane", "lines"):
+            assert where[key].startswith(mine + os.sep) and os.path.isfile(where[key])
+            on_the_host = os.path.join(folder, os.path.relpath(where[key], mine))
+            with open(root(hosts, h) + on_the_host, "rb") as theirs, open(where[key], "rb") as copy:
+                if key != "lines":  # the lines' copy numbers its rows by global rank
+                    assert copy.read() == theirs.read()
+        assert f"{where['trace']}, {where['xplane']} (copied from the host's {where['on_host']})" in out
+        # The lane's compiles are the copied trace's own, and its lines are this rank's, in order.
+        compiles = [e for e in file_events(where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
+        assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1
+        assert list(one.lines) == [r]
+        check_lines(one, r)
+        assert f"  h{h} r{r}: " in out and f"h{h} r{r} lines (sampled every" in out
+    page = profile_view.page(record)
+    assert all(f">h{r // RANKS_PER_HOST} r{r}<" in page and f">h{r // RANKS_PER_HOST} r{r} lines<" in page
+               for r in range(WORLD))
+
+    # A host whose traces cannot be had: n/a for its ranks, and the cell still gives its values.
+    broken = ("import os, shutil\nfrom xla_magic.launcher import profiling\n"
+              "if host == 1:  # the profiler's folder becomes a file: it cannot write its trace\n"
+              "    folder = profiling.profiler().folder\n    shutil.rmtree(folder)\n    open(folder, 'w').close()\n"
+              "rank")
+    value, out, _ = cell(ip, broken, line="--profile")
+    assert value == list(range(WORLD))
+    record = session.last_profiled
+    found = profile_view.lanes(record)
+    assert [one.ranks for one in found] == [[r] for r in range(WORLD)]
+    assert [bool(one.problem) for one in found] == [False] * RANKS_PER_HOST + [True] * RANKS_PER_HOST
+    for one in found[RANKS_PER_HOST:]:
+        assert one.problem.startswith("n/a: the profiler did not run: ") and one.where["trace"] == ""
+        assert f"h1 r{one.ranks[0]}: " in out and "n/a: the profiler did not run" in out
+        assert f"(its folder on the host's {one.where['on_host']})" in out and one.where["on_host"].startswith(
+            hosts.hostname(1) + ":")

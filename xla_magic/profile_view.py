@@ -23,7 +23,10 @@ Kinds, by torch_xla's own event names:
 - device op: what ran on the device (XLA:CPU's client thread, a TPU's
   ``/device:`` process);
 - Python: the cell's thread where no event is (torch_xla's in-process
-  profiler records no Python frames, so no lines).
+  profiler records no Python frames);
+- line: the cell's line, by line, as the rank sampled it every few ms
+  beside the trace (``python-lines.json``, launcher/profiling.py), one row
+  per rank thread, drawn as sampled, not traced.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ NOT_OPS = re.compile(r"^end: |ThreadpoolListener|ThunkExecutor|^Wait for|TaskDis
 # What a collective or a wait is called outside a compile (a compile's passes are named like them).
 TOP_OPS = 8
 MARKS_KEPT = 4000  # events drawn per rank (the rest are in the trace files)
+OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sampled lines' clock)
+LINE_COLORS = ("#94a3b8", "#64748b", "#a5b4fc", "#818cf8", "#fdba74", "#fb923c")
 
 
 @dataclass
@@ -80,6 +85,8 @@ class Lane:
     ops: dict[str, list[float]] = field(default_factory=dict)  # device op name -> durations (µs)
     span: float = 0.0  # µs from its first event to its last one's end
     problem: str = ""
+    lines: dict[int, list[Event]] = field(default_factory=dict)  # rank -> its cell's lines, as sampled
+    period_ms: float = 0.0  # how often they were sampled
 
     def time_by_kind(self) -> dict[str, float]:
         totals = dict.fromkeys(KINDS, 0.0)
@@ -98,6 +105,9 @@ def read_trace(path: str) -> dict[str, Any]:
 def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
     """A rank process's trace as a lane; ``labels`` names compiles by graph hash (from the XLA report)."""
     found = Lane(sorted(where.get("ranks", ())), where)
+    if where.get("unsent"):  # on several hosts: a trace its host could not send
+        found.problem = f"n/a: {where['unsent']}"
+        return found
     if where.get("error"):
         found.problem = f"the profiler did not run: {where['error']}"
         return found
@@ -109,8 +119,28 @@ def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
     except (OSError, ValueError, EOFError) as exc:
         found.problem = f"its trace could not be read: {type(exc).__name__}: {exc}"
         return found
-    _fill(found, trace.get("traceEvents", []), labels or {})
+    events = _fill(found, trace.get("traceEvents", []), labels or {})
+    if where.get("lines") and events:
+        _lines(found, events, where["lines"])
     return found
+
+
+def _lines(found: Lane, events: list[dict[str, Any]], path: str) -> None:
+    """The sampled cell lines, on the trace's clock (the rank's ORIGIN annotation ties the two)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            sampled = json.load(file)
+        marker = next(e for e in events if e["name"] == sampled["origin_event"])
+    except (OSError, ValueError, KeyError, StopIteration):
+        return  # no lines: the trace still stands
+    shift = marker["ts"] - sampled["origin"] - events[0]["ts"]
+    found.period_ms = sampled["period_ms"]
+    for rank, spans in sampled["ranks"].items():
+        if not spans:  # a cell shorter than one period
+            continue
+        found.lines[int(rank)] = [Event("line", f"line {line}", start + shift, end - start, text)
+                                  for line, text, start, end in spans]
+        found.span = max([found.span] + [event.start + event.duration for event in found.lines[int(rank)]])
 
 
 def complete_events(trace_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,7 +148,8 @@ def complete_events(trace_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted((e for e in trace_events if e.get("ph") == "X" and "ts" in e), key=lambda e: (e["ts"], -e.get("dur", 0)))
 
 
-def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str]) -> None:
+def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The lane's events from the trace's; the trace's complete events, in time order."""
     names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in trace_events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in trace_events
@@ -126,7 +157,7 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
     events = complete_events(trace_events)
     if not events:
         found.problem = "its trace holds no events"
-        return
+        return events
     origin = events[0]["ts"]
     found.span = max(e["ts"] + e.get("dur", 0) for e in events) - origin
     # The cell's thread: where torch_xla's syncs run (else the one named python).
@@ -138,6 +169,8 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
     for e in events:
         start, duration, name = e["ts"] - origin, float(e.get("dur", 0)), e["name"]
         key = (e.get("pid"), e.get("tid"))
+        if name.startswith(OURS):
+            continue
         kind = NAMED.get(name)
         if kind is None and start < compiling_until and key == cell_thread:
             continue
@@ -167,6 +200,7 @@ def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str
     if cell_thread is not None:
         found.events += _python(events, cell_thread, origin)
     found.events.sort(key=lambda event: event.start)
+    return events
 
 
 def _python(events: list[dict[str, Any]], thread: tuple[Any, Any], origin: float) -> list[Event]:
@@ -248,18 +282,27 @@ def slowest(found: list[Lane]) -> str:
     mine = worst.time_by_kind()
     kind = max(KINDS, key=lambda k: mine[k] - theirs[k])
     more = mine[kind] - theirs[kind]
-    told = f"slowest: {_who(worst.ranks)}, {_ms(worst.span)} against a median of {_ms(typical)} for the others"
+    told = f"slowest: {_who(worst.ranks, worst.where)}, {_ms(worst.span)} against a median of {_ms(typical)} for the others"
     return told + (f" ({_ms(more)} more {kind})" if more > 0 else "")
 
 
-def _who(ranks: list[int]) -> str:
+def _who(ranks: list[int], where: dict[str, Any] | None = None) -> str:
+    """"rank 0", "ranks 0, 1"; on several hosts as the output is tagged: "h1 r2", "h1 r2, r3"."""
+    if where is not None and "host_index" in where:
+        return f"h{where['host_index']} " + ", ".join(f"r{rank}" for rank in ranks)
     return f"rank{'s' * (len(ranks) > 1)} " + ", ".join(map(str, ranks))
+
+
+def _tag(rank: int, where: dict[str, Any]) -> str:
+    return f"h{where['host_index']} r{rank}" if "host_index" in where else f"r{rank}"
 
 
 def files(record: RunRecord, found: list[Lane]) -> list[str]:
     """Where the trace files are, and how to open them."""
-    lines = [f"{_who(one.ranks)} on {one.where.get('host', '?')}: "
+    lines = [f"{_who(one.ranks, one.where)} on {one.where.get('host', '?')}: "
              + (", ".join(p for p in (one.where.get("trace"), one.where.get("xplane")) if p) or one.problem)
+             + (f" ({'copied from' if one.where.get('trace') else 'its folder on'} the host's {one.where['on_host']})"
+                if one.where.get("on_host") else "")
              for one in found]
     missing = {rank: state.state for rank, state in sorted(record.ranks.items()) if state.profile is None}
     if missing:  # a rank stopped before its cell ended (fail-fast, an interrupt) sent no trace
@@ -282,18 +325,21 @@ def text(record: RunRecord) -> str:
     for one in found:
         totals = one.time_by_kind()
         parts = ", ".join(f"{kind} {_ms(totals[kind])}" for kind in KINDS if totals[kind])
-        lines.append(f"  {_who(one.ranks)}: {_ms(one.span)}" + (f" — {parts}" if parts else "")
+        lines.append(f"  {_who(one.ranks, one.where)}: {_ms(one.span)}" + (f" — {parts}" if parts else "")
                      + (f" ({one.problem})" if one.problem else ""))
         compiles = [event for event in one.events if event.kind == "compile"]
         for event in compiles[:4]:
             lines.append(f"      compile {_ms(event.duration)}" + (f": {event.label}" if event.label else ""))
+        for rank, marks in sorted(one.lines.items()):
+            lines.append(f"      {_tag(rank, one.where)} lines (sampled every {one.period_ms:g} ms): {top_lines(marks)}")
     table = op_rows(found)
     if table:
         lines += ["", "Top device ops:"] + [f"  {name[:60]:<60} ×{count:<6} {total}" for name, count, total in table]
     told = slowest(found)
     if told:
         lines += ["", told]
-    lines += [""] + files(record, found)
+    note = line_note(found)
+    lines += [""] + ([note] if note else []) + files(record, found)
     return "\n".join(lines)
 
 
@@ -306,10 +352,11 @@ LEFT = 70
 
 
 def svg(found: list[Lane]) -> str:
-    """One lane per rank, three rows each (host, runtime, device), on one time axis (each rank from its own start)."""
+    """One lane per rank, three rows each (host, runtime, device) and a row of cell lines per rank thread where
+    they were sampled, on one time axis (each rank from its own start)."""
     end = max((one.span for one in found), default=0.0) or 1.0
     scale = (WIDTH - LEFT - 10) / end
-    height = 24 + len(found) * (len(ROWS) * ROW + LANE_GAP)
+    height = 24 + sum((len(ROWS) + len(one.lines)) * ROW + LANE_GAP for one in found)
     parts = [f'<svg class="xla-timeline" viewBox="0 0 {WIDTH} {height}" preserveAspectRatio="none" '
              f'xmlns="http://www.w3.org/2000/svg" font-size="9" font-family="sans-serif">']
     for tick in range(6):
@@ -318,19 +365,43 @@ def svg(found: list[Lane]) -> str:
                      f'<text x="{x:.1f}" y="9" text-anchor="middle" fill="#666">{_ms(end * tick / 5)}</text>')
     y = 16
     for one in found:
-        parts.append(f'<text x="2" y="{y + ROW + 3}" fill="#111">{html.escape(_who(one.ranks))}</text>')
-        for row, (name, kinds) in enumerate(ROWS):
+        parts.append(f'<text x="2" y="{y + ROW + 3}" fill="#111">{html.escape(_who(one.ranks, one.where))}</text>')
+        rows = [(name, [event for event in one.events if event.kind in kinds]) for name, kinds in ROWS]
+        rows += [(f"{_tag(rank, one.where)} lines", marks) for rank, marks in sorted(one.lines.items())]
+        for row, (name, marks) in enumerate(rows):
             top = y + row * ROW
             parts.append(f'<text x="{LEFT - 4}" y="{top + 9}" text-anchor="end" fill="#999" font-size="7">{name}</text>')
-            marks = [event for event in one.events if event.kind in kinds]
             for event in marks[:MARKS_KEPT]:
                 x, w = LEFT + event.start * scale, max(event.duration * scale, 0.3)
-                tip = f"{event.kind}: {event.label or event.name} — {_ms(event.duration)} at {_ms(event.start)}"
+                if event.kind == "line":
+                    tip = (f"{event.name}: {event.label} — {_ms(event.duration)} at {_ms(event.start)} "
+                           f"(sampled every {one.period_ms:g} ms)")
+                    color = LINE_COLORS[int(event.name.split()[-1]) % len(LINE_COLORS)]
+                else:
+                    tip = f"{event.kind}: {event.label or event.name} — {_ms(event.duration)} at {_ms(event.start)}"
+                    color = COLORS[event.kind]
                 parts.append(f'<rect class="xla-{_css(event.kind)}" x="{x:.2f}" y="{top + 1}" width="{w:.2f}" '
-                             f'height="{ROW - 2}" fill="{COLORS[event.kind]}"><title>{html.escape(tip)}</title></rect>')
-        y += len(ROWS) * ROW + LANE_GAP
+                             f'height="{ROW - 2}" fill="{color}"><title>{html.escape(tip)}</title></rect>')
+        y += len(rows) * ROW + LANE_GAP
     parts.append("</svg>")
     return "".join(parts)
+
+
+def line_note(found: list[Lane]) -> str:
+    """What the rows of lines are: samples, not a trace."""
+    periods = sorted({one.period_ms for one in found if one.lines})
+    if not periods:
+        return ""
+    return (f"lines: the cell's current line on each rank thread, sampled every {'/'.join(f'{p:g}' for p in periods)}"
+            " ms beside the trace (torch_xla's profiler records no Python): a line shorter than that may not show")
+
+
+def top_lines(marks: list[Event], limit: int = 4) -> str:
+    """The lines that took the most sampled time: "line 3 120 ms, line 2 40 ms"."""
+    totals: dict[str, float] = {}
+    for event in marks:
+        totals[event.name] = totals.get(event.name, 0.0) + event.duration
+    return ", ".join(f"{name} {_ms(total)}" for name, total in sorted(totals.items(), key=lambda i: -i[1])[:limit])
 
 
 def _css(kind: str) -> str:
@@ -365,7 +436,7 @@ def page(record: RunRecord) -> str:
         rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body)
         return f"<table><tr>{head}</tr>{rows}</table>"
 
-    problems = [f"{_who(one.ranks)}: {one.problem}" for one in found if one.problem]
+    problems = [f"{_who(one.ranks, one.where)}: {one.problem}" for one in found if one.problem]
     parts = [STYLE, '<div class="xla-profile">', f"<h4>Profile of run {record.run_id}</h4>",
              f'<div class="xla-legend">{legend}</div>', f"zoom: {zoom}",
              f'<div class="xla-zoom">{svg(found)}</div>',
@@ -373,7 +444,9 @@ def page(record: RunRecord) -> str:
              table(("top device ops", "count", "time"), op_rows(found))]
     told = slowest(found)
     parts += [f"<div>{html.escape(told)}</div>"] if told else []
-    parts += [f'<div class="xla-note">{html.escape(line)}</div>' for line in problems + files(record, found)]
+    note = line_note(found)
+    parts += [f'<div class="xla-note">{html.escape(line)}</div>'
+              for line in problems + ([note] if note else []) + files(record, found)]
     parts.append("</div>")
     return "".join(parts)
 

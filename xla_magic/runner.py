@@ -65,6 +65,7 @@ class Runner:
         self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
         self.last_cell: RunRecord | None = None
         self.last_profiled: RunRecord | None = None  # the last --profile cell, for %xla_profile
+        self.shows_profiles = True  # False on one of several hosts: the kernel shows every host's (hosts/profiles.py)
 
     # -- the launcher ------------------------------------------------------
 
@@ -141,7 +142,7 @@ class Runner:
                 return ranks.value(request.wait())
             finally:
                 xla_report.after_cell(record)
-                if cell.profile:
+                if cell.profile and self.shows_profiles:
                     profile_view.after_cell(record)
                 delivered = request.delivered
                 if delivered:
