@@ -39,6 +39,13 @@ def pool_magic(ip, line: str) -> str:
     return captured.stdout
 
 
+def spawn_cell(ip, line: str, source: str) -> tuple:
+    """Run a ``%%xla_spawn LINE`` cell in the shell: (value, stdout, stderr without colours, rich outputs)."""
+    with capture_output() as captured:
+        value = ip.run_cell_magic("xla_spawn", line, source)
+    return value, captured.stdout, strip_ansi(captured.stderr), captured.outputs
+
+
 def wait_for(ready: Callable[[], Any], within: float = WITHIN, every: float = 0.02) -> Any:
     """Poll ``ready()`` until it is truthy (its value) or ``within`` s passed (its last, falsy, value)."""
     deadline = time.monotonic() + within

@@ -1,16 +1,15 @@
-"""SPMD cells and pools for real: one process drives 8 XLA CPU devices, through the shell and a real kernel.
+"""SPMD cells for real: one process drives 8 XLA CPU devices, through the shell and a real kernel.
 
 ``%%xla_spawn --spmd`` and ``%xla_pool start --spmd`` are one more placement
 of the same ranks and requests, so what holds for rank cells is checked here
 for the SPMD process: its value (one value, tensors whole on the CPU), its
-tagged output, the sharding picture, faults, interrupts, timeouts, the pool's
-state and compiled graphs, shared memory, the status, and every bad input.
+tagged output, the sharding picture, faults, interrupts, timeouts, and every
+bad input. No test here needs a pool running (those that start one stop it);
+the SPMD pool's own tests, in one pool for their module, are in test_spmd_pool.py.
 """
 
 from __future__ import annotations
 
-import copy
-import os
 import re
 from pathlib import Path
 
@@ -18,23 +17,13 @@ import psutil
 import pytest
 import torch
 from IPython.core.error import UsageError
-from IPython.utils.capture import capture_output
-from torch import nn
 
-from conftest import BACKING, kernel_is_xla_free
-from helpers import (FSDP_STEPS, FSDP_WRAP, execute, interrupt_once_written, notebook, pool_magic, stream, strip_ansi,
-                     text_of)
-from xla_magic import sharding, transport
+from conftest import kernel_is_xla_free
+from helpers import execute, interrupt_once_written, notebook, pool_magic, spawn_cell, stream, strip_ansi, text_of
+from xla_magic import sharding
 from xla_magic.display import RankError, RunInterrupted
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cell(ip, line: str, source: str) -> tuple:
-    """Run a %%xla_spawn cell: (value, stdout, stderr, rich outputs)."""
-    with capture_output() as captured:
-        value = ip.run_cell_magic("xla_spawn", line, source)
-    return value, captured.stdout, strip_ansi(captured.stderr), captured.outputs
 
 
 # --- one-shot SPMD cells ------------------------------------------------------------
@@ -57,7 +46,7 @@ def test_a_sharded_matmul_equals_the_kernels_and_comes_back_as_one_value(ip):
     torch.manual_seed(0)
     a, b = torch.randn(16, 8), torch.randn(8, 12)
     ip.user_ns.update(a=a, b=b)
-    value, out, _err, outputs = cell(ip, "--spmd --mesh 4,2", MATMUL)
+    value, out, _err, outputs = spawn_cell(ip, "--spmd --mesh 4,2", MATMUL)
     assert isinstance(value, dict)  # one value, not a list by rank
     assert value["product"].device.type == "cpu" and torch.allclose(value["product"], a @ b, atol=1e-5)
     assert torch.equal(value["a"], a)  # annotated in place, whole on the CPU
@@ -76,7 +65,7 @@ def test_a_sharded_matmul_equals_the_kernels_and_comes_back_as_one_value(ip):
 
 
 def test_the_default_mesh_is_one_data_axis_over_the_devices_asked_for(ip):
-    value, out, _err, _ = cell(ip, "--spmd --devices 4", (
+    value, out, _err, _ = spawn_cell(ip, "--spmd --devices 4", (
         "import torch_xla.runtime as xr\n"
         "print('spmd on:', xr.is_spmd())\n"
         "(tuple(mesh.mesh_shape), mesh.axis_names, world_size, xr.global_runtime_device_count(), rank)"
@@ -89,7 +78,7 @@ def test_the_default_mesh_is_one_data_axis_over_the_devices_asked_for(ip):
 
 def test_an_exception_shows_the_cells_traceback_tagged_spmd(ip):
     with pytest.raises(RankError) as raised:
-        cell(ip, "--spmd", "x = 1\nraise ValueError(f'no luck on {world_size} devices')\n")
+        spawn_cell(ip, "--spmd", "x = 1\nraise ValueError(f'no luck on {world_size} devices')\n")
     error = raised.value
     assert str(error).startswith("the SPMD process failed: ValueError: no luck on 8 devices")
     lines = [strip_ansi(line) for line in error.render_lines()]
@@ -100,7 +89,7 @@ def test_an_exception_shows_the_cells_traceback_tagged_spmd(ip):
 
 def test_a_timeout_stops_the_spmd_process(ip):
     with pytest.raises(RankError, match=r"timed out after 3 s \(--timeout\)"):
-        cell(ip, "--spmd --timeout 3", "print('spinning', flush=True)\nwhile True:\n    pass\n")
+        spawn_cell(ip, "--spmd --timeout 3", "print('spinning', flush=True)\nwhile True:\n    pass\n")
     pid = ip._xla_magic_session.history[-1].ranks[0].pid
     assert pid is not None and not psutil.pid_exists(pid)
 
@@ -108,7 +97,7 @@ def test_a_timeout_stops_the_spmd_process(ip):
 def test_the_stop_button_stops_a_one_shot_spmd_cell(ip, marks):
     pressed = interrupt_once_written(marks, 1)
     with pytest.raises(RunInterrupted, match="the SPMD process was stopped"):
-        cell(ip, "--spmd --devices 2", "open(f'{marks}/running', 'w').close()\nwhile True:\n    spin = 1\n")
+        spawn_cell(ip, "--spmd --devices 2", "open(f'{marks}/running', 'w').close()\nwhile True:\n    spin = 1\n")
     assert pressed.is_set()
     pid = ip._xla_magic_session.history[-1].ranks[0].pid
     assert pid is not None and not psutil.pid_exists(pid)
@@ -116,7 +105,7 @@ def test_the_stop_button_stops_a_one_shot_spmd_cell(ip, marks):
 
 def test_a_killed_spmd_process_is_reported_by_signal(ip):
     with pytest.raises(RankError, match="the SPMD process died: SIGKILL"):
-        cell(ip, "--spmd --devices 2", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+        spawn_cell(ip, "--spmd --devices 2", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
 
 
 # --- bad input: a UsageError before anything starts ---------------------------------
@@ -169,146 +158,10 @@ def test_spmd_against_a_running_rank_pool_says_what_to_do(ip):
         with pytest.raises(UsageError, match="so an --spmd cell cannot run in it"):
             ip.run_line_magic("xla_pool", "start --spmd")
         # --fresh: a new SPMD process beside the rank pool (on CPU nothing holds the devices).
-        value, out, _, _ = cell(ip, "--spmd --fresh --devices 2", "print('beside the pool')\nworld_size")
+        value, out, _, _ = spawn_cell(ip, "--spmd --fresh --devices 2", "print('beside the pool')\nworld_size")
         assert (value, out) == (2, "[spmd] beside the pool\n")
     finally:
         pool_magic(ip, "stop")
-
-
-# --- the SPMD pool ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def spmd_pool(ip):
-    said = pool_magic(ip, "start --spmd --mesh 8,1 --axes fsdp,model")
-    assert said.startswith("pool ready in ") and "one SPMD process driving 8 XLA CPU devices, mesh fsdp=8 × model=1" in said
-    try:
-        yield ip._xla_magic_session.pool
-    finally:
-        pool_magic(ip, "stop")
-        assert ip._xla_magic_session.pool is None
-
-
-STEPS, LR = 4, 0.1
-
-# torch_xla's FSDPv2 example, unchanged but for the names the cell is given.
-FSDP_SETUP = """
-import torch
-import torch_xla
-import torch_xla.distributed.spmd as xs
-import torch_xla.debug.metrics as met
-from torch import nn
-from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
-
-module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-module.load_state_dict(initial)""" + FSDP_WRAP.rstrip("\n") + ";\n"  # the cell shows nothing
-
-FSDP_TRAIN = """
-before = (met.metric_data("CompileTime") or (0,))[0]""" + FSDP_STEPS + """params = list(model.parameters())
-(losses, (met.metric_data("CompileTime") or (0,))[0] - before)
-"""
-
-
-def reference_training(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, steps: int) -> list[float]:
-    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(module(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def test_fsdpv2_in_the_pool_trains_like_full_batch_sgd_and_a_repeated_cell_compiles_nothing(ip, spmd_pool):
-    torch.manual_seed(0)
-    inputs, targets = torch.randn(32, 16), torch.randn(32, 4)
-    module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    ip.user_ns.update(inputs=inputs, targets=targets, initial=module.state_dict(), LR=LR, STEPS=STEPS)
-    assert cell(ip, "", FSDP_SETUP)[0] is None
-    first, first_compiles = cell(ip, "", FSDP_TRAIN)[0]
-    second, second_compiles = cell(ip, "--spmd", FSDP_TRAIN)[0]  # --spmd without a mesh: the pool's
-    assert first_compiles > 0 and second_compiles == 0  # the model, optimiser and graphs stayed
-    expected = reference_training(copy.deepcopy(module), inputs, targets, 2 * STEPS)
-    assert max(abs(got - want) for got, want in zip(first + second, expected)) < 1e-5
-    assert second[-1] < first[0]  # it did train, on from where the first cell stopped
-
-    pool_magic(ip, "pull params")
-    reference = copy.deepcopy(module)
-    reference_training(reference, inputs, targets, 2 * STEPS)
-    pulled = ip.user_ns["params"]
-    assert all(type(p) is torch.Tensor or isinstance(p, nn.Parameter) for p in pulled)
-    assert max((got - want).abs().max().item() for got, want in zip(pulled, reference.parameters())) < 1e-5
-
-
-def test_pool_push_pull_and_a_large_value_through_shared_memory(ip, spmd_pool):
-    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: above transport's threshold
-    ip.user_ns.update(big=big, factor=3)
-    pool_magic(ip, "push factor")
-    value = cell(ip, "", BACKING + "kept = factor * world_size\n(backing(big.data_ptr()), float(big.sum()))")[0]
-    path, total = value
-    assert path.startswith(os.path.join(transport.SHM_DIR, transport.kernel_prefix())) and total == float(big.sum())
-    pool_magic(ip, "pull kept")
-    assert ip.user_ns["kept"] == 24
-    with pytest.raises(UsageError, match="an SPMD pool is one process, so its value has no --rank"):
-        ip.run_line_magic("xla_pool", "pull kept --rank 1")
-
-
-def test_interrupt_stops_the_cell_and_the_pool_keeps_its_state(ip, spmd_pool, marks):
-    cell(ip, "", "survivor = world_size * 7")
-    pressed = interrupt_once_written(marks, 1)
-    with pytest.raises(RunInterrupted, match="keeps its ranks"):
-        cell(ip, "", "open(f'{marks}/running', 'w').close()\nwhile True:\n    spin = 1\n")
-    assert pressed.is_set()
-    assert spmd_pool.state == "ready"
-    assert cell(ip, "", "survivor")[0] == 56
-
-
-def test_a_timeout_and_an_exception_in_the_pool_keep_it(ip, spmd_pool):
-    with pytest.raises(RankError, match="timed out after 2 s"):
-        cell(ip, "--timeout 2", "while True:\n    spin = 1\n")
-    with pytest.raises(RankError) as raised:
-        cell(ip, "", "1 / 0\n")
-    assert "[spmd]     1 / 0" in [strip_ansi(line) for line in raised.value.render_lines()]
-    assert spmd_pool.state == "ready" and cell(ip, "", "survivor")[0] == 56
-
-
-@pytest.mark.parametrize(
-    "line, message",
-    [
-        ("--devices 4", "an SPMD pool (one process, 8 devices, mesh fsdp=8 × model=1) is running, so --devices 4 "
-                        "contradicts it"),
-        ("--backend tpu", "on the cpu backend is running, so --backend tpu contradicts it"),
-        ("--spmd --mesh 4,2", "this cell asks for the mesh data=4 × model=2"),
-        ("--spmd --axes data", "this cell asks for the mesh data=8"),
-    ],
-)
-def test_cells_that_contradict_the_spmd_pool_say_what_to_do(ip, spmd_pool, line, message):
-    with pytest.raises(UsageError) as raised:
-        ip.run_cell_magic("xla_spawn", line, "1")
-    assert type(raised.value) is UsageError and message in str(raised.value), str(raised.value)
-    assert "%xla_pool restart --spmd" in str(raised.value)
-
-
-def test_status_shows_the_spmd_process(ip, spmd_pool):
-    cell(ip, "", "None")
-    with capture_output() as captured:
-        ip.run_line_magic("xla_status", "--text")
-    text = captured.stdout
-    assert "SPMD:     pool: one process, 8 devices, mesh fsdp=8 × model=1; memory per device: torch_xla reports" in text
-    assert "Pool:     ready: one SPMD process driving 8 XLA CPU devices" in text
-    assert "already running: ready: one SPMD process" in pool_magic(ip, "start --spmd")
-
-
-def test_restart_keeps_the_pool_spmd_with_its_mesh(ip, spmd_pool):
-    said = pool_magic(ip, "restart")
-    pool = ip._xla_magic_session.pool
-    assert pool.one_value and (pool.ranks.placement.mesh, pool.ranks.placement.axes) == ((8, 1), ("fsdp", "model"))
-    assert "pool ready in" in said
-    with pytest.raises(RankError, match="NameError"):
-        cell(ip, "", "survivor")  # the namespace went with the old process
-    assert cell(ip, "", "(tuple(mesh.mesh_shape), mesh.axis_names)")[0] == ((8, 1), ("fsdp", "model"))
 
 
 # --- a real kernel ----------------------------------------------------------------------------
@@ -373,7 +226,7 @@ def test_the_docs_fsdpv2_example_shows_what_it_prints(ip):
     example = re.search(r"```python\n(%%xla_spawn --spmd[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
     assert example, "docs/spmd.md's SPMD example and its output are missing"
     line, body, shown = example.group(1), example.group(2), example.group(3).splitlines()
-    value, out, err, outputs = cell(ip, line[len("%%xla_spawn"):], body)
+    value, out, err, outputs = spawn_cell(ip, line[len("%%xla_spawn"):], body)
     # stdout lines exactly; stderr's (the two warnings the page explains) but for what XLA's log prefix
     # says of when and where: XLA logs through tsl's LogMessage (xla/tsl/platform/default/logging.cc,
     # GenerateLogMessage: "<date> <time>.<us>: <severity> <file>:<line>] <text>"), and its line numbers move

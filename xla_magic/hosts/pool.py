@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, protocol
-from xla_magic.hosts import discovery, on_host
+from xla_magic import payload, place, profile_view, protocol
+from xla_magic.hosts import discovery, on_host, profiles
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 from xla_magic.hosts.request import HostsRequest, label
 from xla_magic.hosts.shipping import HostShipping
@@ -260,9 +260,6 @@ class HostsPool:
         self.check_usable()
         if cell.spmd is not None:
             raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
-        if cell.profile:
-            raise UsageError("--profile records the ranks of one host; the pool runs on several hosts, where it "
-                             "is not supported yet (%xla_pool stop, then run the cell on this host)")
         if not cell.fresh and cell.devices is not None and cell.devices != self.devices:
             raise UsageError(f"the pool across hosts runs {self.devices} ranks per host, so --devices "
                              f"{cell.devices} contradicts it; leave --devices out, or %xla_pool restart "
@@ -275,12 +272,12 @@ class HostsPool:
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
-                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices)
-                for index, world in enumerate(worlds)])
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
+                 cell.profile) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
-                (cell.source, sending.for_host(index), sending.names, cell.timeout, here)
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile)
                 for index in range(len(self.hosts))])
         record = self._record(cell.source, devices)
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices)
@@ -288,9 +285,16 @@ class HostsPool:
             values_by_host = self._follow(request)
         finally:
             self.shipping.delivered(sending, request.reached())
+            if cell.profile:  # every host's traces, however the cell ended (hosts/profiles.py)
+                self._show_profile(record, request, devices)
         if not cell.fresh:
             self.cells += 1
         return [value for host_values in values_by_host for value in (host_values or [None] * devices)]
+
+    def _show_profile(self, record: RunRecord, request: HostsRequest, devices: int) -> None:
+        profiles.store(record, request.outcomes, self.hosts, devices, self.workdir.new(f"profile-{record.run_id}-"))
+        self.runner.last_profiled = record  # %xla_profile shows it again
+        profile_view.after_cell(record)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         self.check_usable()
