@@ -138,12 +138,17 @@ class Runner:
                 self.remember(record)
             request.start()
             self.one_value = ranks.one_value
+            # --profile: each rank process's trace is read as soon as the rank says where it is (profile_view.Reader)
+            reader = profile_view.Reader() if cell.profile and self.shows_profiles else None
+            if reader is not None:
+                self.listeners.append(reader.notice)
             try:
                 return ranks.value(request.wait())
             finally:
                 xla_report.after_cell(record)
-                if cell.profile and self.shows_profiles:
-                    profile_view.after_cell(record)
+                if reader is not None:
+                    self.listeners.remove(reader.notice)
+                    profile_view.after_cell(record, reader)
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)
