@@ -232,3 +232,68 @@ def test_a_directory_the_hosts_lack_is_an_error_naming_each_host(ip, pool, hosts
         assert f"{only_here} cannot be used here (on {hosts.hostname(index)})" in shown
     ip.run_line_magic("cd", kernel_place)
     assert cell(ip, "import os\nos.getcwd()")[0] == [kernel_place] * WORLD  # the pool goes on
+
+
+# --- --profile on every host ------------------------------------------------------------------------
+
+PROFILED = """import torch, torch_xla
+a = torch.ones(32, 32, device=device) * (rank + 1)
+b = a * 2
+y = (a @ b).sum(); torch_xla.sync(); y.item(); seen(4)
+seen(5)
+"""
+
+
+def test_a_profiled_cell_records_every_rank_on_every_host_and_brings_its_files_to_the_kernel(ip, pool, hosts):
+    from test_profile import check_lines, file_events, seen
+
+    from xla_magic import profile_view
+
+    ip.user_ns["seen"] = seen
+    _, out, _ = cell(ip, PROFILED, line="--profile")
+    session = ip._xla_magic_session
+    record = session.last_profiled
+    assert record.profile.startswith(tempfile.gettempdir()) and os.path.isdir(record.profile)
+    found = profile_view.lanes(record)
+    assert [one.ranks for one in found] == [[r] for r in range(WORLD)]
+    for one in found:
+        [r] = one.ranks
+        h, where = r // RANKS_PER_HOST, one.where
+        assert not one.problem, one.problem
+        # The kernel's copy, in its session directory, under h<H>r<R>; and the host's own, on the host's /tmp.
+        mine = os.path.join(record.profile, f"h{h}r{r}")
+        hostname, _, folder = where["on_host"].partition(":")
+        assert hostname == hosts.hostname(h) and not os.path.exists(folder)  # not the kernel's /tmp
+        for key in ("trace", "xplane", "lines"):
+            assert where[key].startswith(mine + os.sep) and os.path.isfile(where[key])
+            on_the_host = os.path.join(folder, os.path.relpath(where[key], mine))
+            with open(root(hosts, h) + on_the_host, "rb") as theirs, open(where[key], "rb") as copy:
+                if key != "lines":  # the lines' copy numbers its rows by global rank
+                    assert copy.read() == theirs.read()
+        assert f"{where['trace']}, {where['xplane']} (copied from the host's {where['on_host']})" in out
+        # The lane's compiles are the copied trace's own, and its lines are this rank's, in order.
+        compiles = [e for e in file_events(where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
+        assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1
+        assert list(one.lines) == [r]
+        check_lines(one, r)
+        assert f"  h{h} r{r}: " in out and f"h{h} r{r} lines (sampled every" in out
+    page = profile_view.page(record)
+    assert all(f">h{r // RANKS_PER_HOST} r{r}<" in page and f">h{r // RANKS_PER_HOST} r{r} lines<" in page
+               for r in range(WORLD))
+
+    # A host whose traces cannot be had: n/a for its ranks, and the cell still gives its values.
+    broken = ("import os, shutil\nfrom xla_magic.launcher import profiling\n"
+              "if host == 1:  # the profiler's folder becomes a file: it cannot write its trace\n"
+              "    folder = profiling.profiler().folder\n    shutil.rmtree(folder)\n    open(folder, 'w').close()\n"
+              "rank")
+    value, out, _ = cell(ip, broken, line="--profile")
+    assert value == list(range(WORLD))
+    record = session.last_profiled
+    found = profile_view.lanes(record)
+    assert [one.ranks for one in found] == [[r] for r in range(WORLD)]
+    assert [bool(one.problem) for one in found] == [False] * RANKS_PER_HOST + [True] * RANKS_PER_HOST
+    for one in found[RANKS_PER_HOST:]:
+        assert one.problem.startswith("n/a: the profiler did not run: ") and one.where["trace"] == ""
+        assert f"h1 r{one.ranks[0]}: " in out and "n/a: the profiler did not run" in out
+        assert f"(its folder on the host's {one.where['on_host']})" in out and one.where["on_host"].startswith(
+            hosts.hostname(1) + ":")

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypedDict
 from IPython.core.error import UsageError
 
 from xla_magic import protocol
+from xla_magic.hosts import profiles
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.local_pool import LocalPool
 from xla_magic.pool import Cell, PoolOptions
@@ -51,6 +52,7 @@ class HostOutcome(TypedDict, total=False):
     broken: str | None  # the host's pool broke: why
     stacks: dict[int, dict[str, Any]]  # failed, interrupted: where each rank was at the stop, by local rank
     stacks_when: str  # failed, interrupted: when that was (the watch's words: "at the interrupt", ...)
+    profile: list[profiles.SentTrace]  # a --profile cell: this host's trace files (hosts/profiles.py)
 
 
 class Here:
@@ -59,6 +61,7 @@ class Here:
     def __init__(self, world: protocol.World) -> None:
         self.world = world
         self.runner = Runner()
+        self.runner.shows_profiles = False  # the kernel draws every host's (hosts/profiles.py)
         self.pool: LocalPool | None = None
         self.values: dict[str, Any] = {}
         self.received: tuple[str, ...] = ()  # the names the last cell brought (the others were here already)
@@ -112,25 +115,36 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
 
 
 def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-             kernel_place: dict[str, Any]) -> HostOutcome:
+             kernel_place: dict[str, Any], profile: bool = False) -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
     The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
-    changed since they last did, as on one host."""
+    changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer."""
     here = _require()
     values = _take(here, sent, names)
-    return _outcome(lambda: _pool(here).run_cell(Cell(source, values, timeout=timeout, place=kernel_place)))
+    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile)
+    return _profiled(here, cell, lambda: _pool(here).run_cell(cell))
 
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-              kernel_place: dict[str, Any], world: protocol.World, devices: int) -> HostOutcome:
+              kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False) -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
-                place=kernel_place)
-    return _outcome(lambda: pool.run_fresh(cell, world))
+                place=kernel_place, profile=profile)
+    return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
+
+
+def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
+    """``call``'s outcome; a --profile cell's with this host's trace files (``profile``), however it ended."""
+    before = here.runner.last_profiled
+    outcome = _outcome(call)
+    if cell.profile:
+        record = here.runner.last_profiled
+        outcome["profile"] = profiles.collect(record if record is not before else None)
+    return outcome
 
 
 def _take(here: Here, sent: dict[str, bytes], names: tuple[str, ...]) -> dict[str, Any]:
@@ -227,7 +241,8 @@ def _running_record() -> Any:
 def _outcome(call: Callable[[], Any]) -> HostOutcome:
     """Run ``call``; what came of it, as plain data: ok (and the value), failed, interrupted or refused.
 
-    ipykernel restores its own SIGINT handler (which ignores it) once the call returns."""
+    ipykernel restores its own SIGINT handler (which ignores it) once the call returns. The engine flushes
+    the call's output before it replies (each flush waits for ipykernel's IO thread: not twice)."""
     global _running
     _running = True
     signal.signal(signal.SIGINT, _interrupt)
@@ -247,8 +262,6 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
         return {"outcome": "refused", "message": str(exc), "broken": _broken()}
     finally:
         _running = False
-        sys.stdout.flush()
-        sys.stderr.flush()
     return {"outcome": "ok", "value": value}
 
 

@@ -13,18 +13,38 @@ tpu launch path) share one trace, started by the first to begin and stopped
 by the last to end, as their XLA account is shared (xla_account.py). A
 trace the user started in the cell makes ours fail to start: the cell runs
 unprofiled, and the reply says why. Nothing here may fail a cell.
+
+torch_xla's in-process profiler records no Python frames (2.9 takes no
+options there; the ``python_tracer_level`` of its remote ``trace`` has no
+Python tracer behind it in ``_XLAC``). So, while a profiled cell runs, a
+thread of ours (:class:`LineSampler`) reads each rank thread's innermost
+cell line every ``PERIOD_MS`` (``sys._current_frames()``, as the stack
+sampler does) and keeps spans of (line, text, start, end), written beside
+the trace (``python-lines.json``). Its times are aligned to the trace's by
+one annotation it puts in the trace when it starts (``ORIGIN``).
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import linecache
 import os
 import socket
+import sys
 import threading
+import time
+import types
 from typing import Any
+
+from xla_magic.launcher.stacks import CELL_FILE
 
 TRACE = "trace.json.gz"
 XPLANE = "xplane.pb"
+LINES = "python-lines.json"
+PERIOD_MS = 5  # how often the cell's line is sampled
+ORIGIN = "xla_magic: sampled lines start"  # the annotation that ties the sampled lines' clock to the trace's
+LINES_SWITCH = "XLA_MAGIC_PROFILE_LINES"  # "0" in the kernel's environment: profiled cells sample no lines
 
 
 class Profiler:
@@ -36,29 +56,46 @@ class Profiler:
         self.ranks: list[int] = []
         self.folder = ""
         self.error = ""
+        self.lines: LineSampler | None = None
 
     def begin(self, rank: int, directory: str) -> None:
         with self.lock:
             self.ranks.append(rank)
             self.active += 1
-            if self.active > 1:
-                return
-            self.folder, self.error = os.path.join(directory, f"rank{rank}"), ""
-            try:
-                import torch_xla.debug.profiler as xp
+            if self.active == 1:
+                self._start(rank, directory)
+            if self.lines is not None:
+                self.lines.add(rank, threading.get_ident())
 
-                os.makedirs(self.folder, exist_ok=True)
-                xp.start_trace(self.folder)
-            except Exception as exc:  # another trace running (the user's), an old torch_xla
-                self.error = f"{type(exc).__name__}: {exc}"
+    def _start(self, rank: int, directory: str) -> None:
+        self.folder, self.error, self.lines = os.path.join(directory, f"rank{rank}"), "", None
+        try:
+            import torch_xla.debug.profiler as xp
+
+            os.makedirs(self.folder, exist_ok=True)
+            xp.start_trace(self.folder)
+        except Exception as exc:  # another trace running (the user's), an old torch_xla
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        if os.environ.get(LINES_SWITCH) == "0":
+            return
+        try:
+            with xp.Trace(ORIGIN):
+                origin = time.time_ns() // 1000
+            self.lines = LineSampler(origin)
+        except Exception:  # no lines, still the trace
+            self.lines = None
 
     def end(self) -> dict[str, Any] | None:
         """Where the trace went, for the last rank thread to leave (protocol.PROFILE); None for the others."""
         with self.lock:
             self.active -= 1
+            if self.lines is not None:
+                self.lines.remove(threading.get_ident())
             if self.active:
                 return None
             ranks, self.ranks = sorted(self.ranks), []
+            lines = self._write_lines()
             if not self.error:
                 try:
                     import torch_xla.debug.profiler as xp
@@ -68,7 +105,94 @@ class Profiler:
                     self.error = f"{type(exc).__name__}: {exc}"
             return {"ranks": ranks, "host": socket.gethostname(), "pid": os.getpid(), "folder": self.folder,
                     "trace": _newest(self.folder, TRACE), "xplane": _newest(self.folder, XPLANE),
-                    "error": self.error}
+                    "lines": lines, "error": self.error}
+
+    def _write_lines(self) -> str:
+        """The sampled lines, beside the trace; their path ("" if none)."""
+        sampler, self.lines = self.lines, None
+        if sampler is None:
+            return ""
+        try:
+            path = os.path.join(self.folder, LINES)
+            with open(path, "w", encoding="utf-8") as file:
+                json.dump(sampler.stop(), file)
+            return path
+        except Exception:
+            return ""
+
+
+class LineSampler:
+    """Every PERIOD_MS, each profiled rank thread's innermost cell line, kept as spans (µs since the epoch)."""
+
+    def __init__(self, origin: int) -> None:
+        self.origin = origin  # when the ORIGIN annotation began, µs since the epoch
+        self.threads: dict[int, int] = {}  # thread ident -> its rank
+        self.spans: dict[int, list[list[Any]]] = {}  # rank -> [line, text, start, end], in order
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
+        self.thread.start()
+
+    def add(self, rank: int, ident: int) -> None:
+        with self.lock:
+            self.threads[ident] = rank
+            self.spans.setdefault(rank, [])
+
+    def remove(self, ident: int) -> None:
+        """A rank thread's cell ended: its open span ends now."""
+        with self.lock:
+            rank = self.threads.pop(ident, None)
+            if rank is not None:
+                self._close(rank, time.time_ns() // 1000)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(PERIOD_MS / 1000):
+            try:
+                self.sample()
+            except Exception:  # never lose the cell to a frame we could not read
+                pass
+
+    def sample(self) -> None:
+        frames = sys._current_frames()
+        now = time.time_ns() // 1000
+        with self.lock:
+            for ident, rank in self.threads.items():
+                found = cell_line(frames.get(ident))
+                spans = self.spans[rank]
+                last = spans[-1] if spans and spans[-1][3] is None else None
+                if last is not None and found is not None and last[0] == found[0]:
+                    continue
+                if last is not None:
+                    last[3] = now
+                if found is not None:
+                    spans.append([found[0], found[1], now, None])
+
+    def _close(self, rank: int, now: int) -> None:
+        spans = self.spans.get(rank)
+        if spans and spans[-1][3] is None:
+            spans[-1][3] = now
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling; what it saw, as written beside the trace."""
+        self.stopping.set()
+        self.thread.join(1.0)
+        now = time.time_ns() // 1000
+        with self.lock:
+            for rank in list(self.spans):
+                self._close(rank, now)
+            return {"period_ms": PERIOD_MS, "origin": self.origin, "origin_event": ORIGIN,
+                    "ranks": {str(rank): spans for rank, spans in self.spans.items()}}
+
+
+def cell_line(frame: types.FrameType | None) -> tuple[int, str] | None:
+    """The innermost frame of the cell's own code: its line number and text."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(CELL_FILE):
+            line = frame.f_lineno or 0
+            return line, linecache.getline(code.co_filename, line).strip()
+        frame = frame.f_back
+    return None
 
 
 def _newest(folder: str, suffix: str) -> str:
