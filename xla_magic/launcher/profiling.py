@@ -56,7 +56,8 @@ class Profiler:
         self.ranks: list[int] = []
         self.folder = ""
         self.error = ""
-        self.lines: LineSampler | None = None
+        self.lines: LineSampler | None = None  # the sampler, while it samples this process's profiled cell
+        self.sampler = LineSampler()
 
     def begin(self, rank: int, directory: str) -> None:
         with self.lock:
@@ -80,9 +81,13 @@ class Profiler:
         if os.environ.get(LINES_SWITCH) == "0":
             return
         try:
-            with xp.Trace(ORIGIN):
+            import torch_xla
+
+            # The C++ TraceMe itself: xp.Trace would also push an IR scope and look for jax (ms, each time).
+            with torch_xla._XLAC.profiler.TraceMe(ORIGIN):
                 origin = time.time_ns() // 1000
-            self.lines = LineSampler(origin)
+            self.sampler.start(origin)
+            self.lines = self.sampler
         except Exception:  # no lines, still the trace
             self.lines = None
 
@@ -122,16 +127,26 @@ class Profiler:
 
 
 class LineSampler:
-    """Every PERIOD_MS, each profiled rank thread's innermost cell line, kept as spans (µs since the epoch)."""
+    """Every PERIOD_MS while a profiled cell runs, each profiled rank thread's innermost cell line, kept as spans
+    (µs since the epoch). One thread per process, made with the first profiled cell and kept: between
+    profiled cells it sleeps on an event, and costs nothing (starting a thread each cell cost milliseconds
+    of scheduling on a loaded machine)."""
 
-    def __init__(self, origin: int) -> None:
-        self.origin = origin  # when the ORIGIN annotation began, µs since the epoch
+    def __init__(self) -> None:
+        self.origin = 0  # when the ORIGIN annotation began, µs since the epoch
         self.threads: dict[int, int] = {}  # thread ident -> its rank
         self.spans: dict[int, list[list[Any]]] = {}  # rank -> [line, text, start, end], in order
         self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
-        self.thread.start()
+        self.running = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, origin: int) -> None:
+        with self.lock:
+            self.origin, self.threads, self.spans = origin, {}, {}
+            self.running.set()
+            if self.thread is None or not self.thread.is_alive():  # a forked child has none
+                self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
+                self.thread.start()
 
     def add(self, rank: int, ident: int) -> None:
         with self.lock:
@@ -146,7 +161,9 @@ class LineSampler:
                 self._close(rank, time.time_ns() // 1000)
 
     def _run(self) -> None:
-        while not self.stopping.wait(PERIOD_MS / 1000):
+        while True:
+            self.running.wait()
+            time.sleep(PERIOD_MS / 1000)
             try:
                 self.sample()
             except Exception:  # never lose the cell to a frame we could not read
@@ -156,6 +173,8 @@ class LineSampler:
         frames = sys._current_frames()
         now = time.time_ns() // 1000
         with self.lock:
+            if not self.running.is_set():
+                return
             for ident, rank in self.threads.items():
                 found = cell_line(frames.get(ident))
                 spans = self.spans[rank]
@@ -173,11 +192,10 @@ class LineSampler:
             spans[-1][3] = now
 
     def stop(self) -> dict[str, Any]:
-        """Stop sampling; what it saw, as written beside the trace."""
-        self.stopping.set()
-        self.thread.join(1.0)
+        """Stop sampling (the thread sleeps again); what it saw, as written beside the trace."""
         now = time.time_ns() // 1000
         with self.lock:
+            self.running.clear()
             for rank in list(self.spans):
                 self._close(rank, now)
             return {"period_ms": PERIOD_MS, "origin": self.origin, "origin_event": ORIGIN,
