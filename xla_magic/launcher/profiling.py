@@ -44,7 +44,7 @@ XPLANE = "xplane.pb"
 LINES = "python-lines.json"
 PERIOD_MS = 5  # how often the cell's line is sampled
 ORIGIN = "xla_magic: sampled lines start"  # the annotation that ties the sampled lines' clock to the trace's
-LINES_SWITCH = "XLA_MAGIC_PROFILE_LINES"  # "0" in the kernel's environment: profiled cells sample no lines
+LINES_SWITCH = "XLA_MAGIC_PROFILE_LINES"  # in the kernel's environment: "0", no lines; a number, the period in ms
 
 
 class Profiler:
@@ -78,7 +78,8 @@ class Profiler:
         except Exception as exc:  # another trace running (the user's), an old torch_xla
             self.error = f"{type(exc).__name__}: {exc}"
             return
-        if os.environ.get(LINES_SWITCH) == "0":
+        period = _period()
+        if not period:
             return
         try:
             import torch_xla
@@ -86,7 +87,7 @@ class Profiler:
             # The C++ TraceMe itself: xp.Trace would also push an IR scope and look for jax (ms, each time).
             with torch_xla._XLAC.profiler.TraceMe(ORIGIN):
                 origin = time.time_ns() // 1000
-            self.sampler.start(origin)
+            self.sampler.start(origin, period)
             self.lines = self.sampler
         except Exception:  # no lines, still the trace
             self.lines = None
@@ -134,15 +135,16 @@ class LineSampler:
 
     def __init__(self) -> None:
         self.origin = 0  # when the ORIGIN annotation began, µs since the epoch
+        self.period: float = PERIOD_MS
         self.threads: dict[int, int] = {}  # thread ident -> its rank
         self.spans: dict[int, list[list[Any]]] = {}  # rank -> [line, text, start, end], in order
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def start(self, origin: int) -> None:
+    def start(self, origin: int, period: float = PERIOD_MS) -> None:
         with self.lock:
-            self.origin, self.threads, self.spans = origin, {}, {}
+            self.origin, self.period, self.threads, self.spans = origin, period, {}, {}
             self.running.set()
             if self.thread is None or not self.thread.is_alive():  # a forked child has none
                 self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
@@ -163,7 +165,7 @@ class LineSampler:
     def _run(self) -> None:
         while True:
             self.running.wait()
-            time.sleep(PERIOD_MS / 1000)
+            time.sleep(self.period / 1000)
             try:
                 self.sample()
             except Exception:  # never lose the cell to a frame we could not read
@@ -198,8 +200,17 @@ class LineSampler:
             self.running.clear()
             for rank in list(self.spans):
                 self._close(rank, now)
-            return {"period_ms": PERIOD_MS, "origin": self.origin, "origin_event": ORIGIN,
+            return {"period_ms": self.period, "origin": self.origin, "origin_event": ORIGIN,
                     "ranks": {str(rank): spans for rank, spans in self.spans.items()}}
+
+
+def _period() -> float:
+    """The sampling period the kernel's environment asks for (LINES_SWITCH), in ms; 0: no lines."""
+    asked = os.environ.get(LINES_SWITCH, "")
+    try:
+        return max(float(asked), 0.0) if asked else PERIOD_MS
+    except ValueError:
+        return PERIOD_MS
 
 
 def cell_line(frame: types.FrameType | None) -> tuple[int, str] | None:
