@@ -9,12 +9,21 @@ a plain cell that calls ``xp.start_trace``/``xp.stop_trace`` around the
 same steps itself (the profiler alone). A third kind, the plain cell with
 no profiler, says what the profiler itself costs.
 
+The lines row of the timeline (the cell's line, sampled every few ms on
+each rank's cell thread, launcher/profiling.py) is measured the same way:
+``--profile`` with it against ``--profile`` without it
+(``XLA_MAGIC_PROFILE_LINES=0`` in the kernel's environment, which the
+ranks follow cell by cell), alternating in the same run, on the training
+cell and on a cell of pure Python (the sampler's worst case: it takes the
+GIL from the cell's thread at each sample).
+
 Target: ``--profile`` adds nothing measurable beyond the profiler (a ratio
-of 1.00 within noise).
+of 1.00 within noise); the lines at most a few percent.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -41,16 +50,27 @@ def steps():
         optimizer.step()
         torch_xla.sync()
     return loss.item()
+def python_work():
+    total = 0
+    for i in range(400_000):
+        total += i % 7
+    return total
 """
 PROFILED = "steps()"
+PYTHON = "python_work()"
+NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch
 SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps()\nxp.stop_trace()"
 
 Row = tuple[str, float, float, str, str]
 
 
-def cell_time(shell: Any, line: str, cell: str) -> float:
+def cell_time(shell: Any, line: str, cell: str, lines: bool = True) -> float:
     from IPython.utils.capture import capture_output
 
+    if lines:
+        os.environ.pop(NO_LINES, None)
+    else:
+        os.environ[NO_LINES] = "0"
     with capture_output():
         started = time.perf_counter()
         shell.run_cell_magic("xla_spawn", line, cell)
@@ -65,17 +85,19 @@ def measure(shell: Any) -> dict[str, float]:
         shell.run_line_magic("xla_pool", f"start --devices {RANKS} --backend cpu")
     try:
         cell_time(shell, "", SETUP)
+        order = [("profile", "--profile", PROFILED, True), ("self", "", SELF_TRACED, True),
+                 ("plain", "", PROFILED, True), ("no lines", "--profile", PROFILED, False),
+                 ("python", "--profile", PYTHON, True), ("python, no lines", "--profile", PYTHON, False)]
         for _ in range(2):  # warm: every graph compiled, the profiler loaded
-            cell_time(shell, "--profile", PROFILED)
-            cell_time(shell, "", SELF_TRACED)
-            cell_time(shell, "", PROFILED)
-        times: dict[str, list[float]] = {"profile": [], "self": [], "plain": []}
+            for _kind, line, cell, lines in order:
+                cell_time(shell, line, cell, lines)
+        times: dict[str, list[float]] = {kind: [] for kind, *_ in order}
         for i in range(CELLS):
-            order = [("profile", "--profile", PROFILED), ("self", "", SELF_TRACED), ("plain", "", PROFILED)]
-            for kind, line, cell in (order if i % 2 == 0 else order[::-1]):
-                times[kind].append(cell_time(shell, line, cell))
+            for kind, line, cell, lines in (order if i % 2 == 0 else order[::-1]):
+                times[kind].append(cell_time(shell, line, cell, lines))
         return {kind: statistics.median(values) for kind, values in times.items()}
     finally:
+        os.environ.pop(NO_LINES, None)
         with capture_output():
             shell.run_line_magic("xla_pool", "stop")
 
@@ -95,6 +117,12 @@ def main() -> list[Row]:
         (f"the same cell with torch_xla's profiler alone, {RANKS}-rank pool (median of {CELLS})",
          figures["self"] * 1000, figures["plain"] * 1000, "ms",
          "baseline: the cell unprofiled: what the profiler itself costs"),
+        (f"the training cell with --profile and its sampled lines, {RANKS}-rank pool (median of {CELLS})",
+         figures["profile"] * 1000, figures["no lines"] * 1000, "ms",
+         f"baseline: --profile without the lines ({NO_LINES}=0), alternating in one run; target: a few percent"),
+        (f"a pure-Python cell with --profile and its sampled lines, {RANKS}-rank pool (median of {CELLS})",
+         figures["python"] * 1000, figures["python, no lines"] * 1000, "ms",
+         f"baseline: --profile without the lines ({NO_LINES}=0), alternating in one run; the sampler's worst case"),
     ]
 
 
