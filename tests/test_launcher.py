@@ -22,8 +22,11 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
-from xla_magic import launcher_client, protocol, transport
+from xla_magic import launcher_client, policy, protocol, transport
+from xla_magic.pool import Cell
+from xla_magic.ranks import Ranks
 from xla_magic.request import Request
+from xla_magic.runner import plan
 from xla_magic.display import RankError, RunInterrupted
 
 
@@ -81,6 +84,26 @@ def test_an_interrupt_while_the_launcher_takes_a_cell_costs_the_launcher_not_the
     with pytest.raises(RankError, match="timed out after 1 s"):
         spawn("--devices 2 --timeout 1", "import time\ntime.sleep(600)")
     assert_nothing_left(ip)  # the timeout reached this cell's own ranks
+
+
+def test_ranks_take_their_policy_from_their_job_and_refuse_a_job_that_names_none(ip, spawn):
+    """The kernel decides one-shot or pool once and tells the ranks; they infer nothing from the job's request."""
+    session = ip._xla_magic_session
+
+    class Unnamed(policy.OneShot):
+        name = "kept"  # neither protocol.ONE_SHOT nor protocol.POOL
+
+    ranks = Ranks(plan("cpu", 2, "%%xla_spawn"), Unnamed(), "cpu", session.workdir)
+    try:
+        with capture_output(), pytest.raises(RankError) as info:
+            session.cell(ranks, Cell("rank", backend="cpu"))
+    finally:
+        ranks.stop()
+    text = "\n".join(info.value._render_traceback_())
+    assert "the ranks could not be started" in text
+    assert "a job is one-shot with its request or a pool without one, not 'kept' with a request" in text
+    assert spawn("--devices 2 --backend cpu", "rank").value == [0, 1]  # a job that says so runs
+    assert_nothing_left(ip)
 
 
 def test_a_launcher_that_does_not_take_a_cell_is_replaced_without_leaks(ip, spawn, monkeypatch):

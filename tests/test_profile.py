@@ -9,12 +9,12 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from helpers import PROFILED
-from xla_magic import profile_view
+from xla_magic import profile_trace, profile_view
 
 
 
 def file_events(path: str) -> list[dict]:
-    return profile_view.complete_events(profile_view.read_trace(path)["traceEvents"])
+    return profile_trace.complete_events(profile_trace.read_trace(path)["traceEvents"])
 
 
 def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
@@ -23,11 +23,15 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     assert session.last_cell.profile == "" and all(s.profile is None for s in session.last_cell.ranks.values())
     assert "Profile of run" not in plain.stdout  # off: nothing asked, nothing recorded
 
+    listening = list(session.listeners)
     run = spawn("--profile", PROFILED)
     record = session.last_profiled
     assert record is session.last_cell and os.path.isdir(record.profile)
     assert "Profile of run" in run.stdout and "Top device ops" in run.stdout
-    found = profile_view.lanes(record)
+    # What was shown, the traces read while the cell ran, is what reading them now tells; the reader left no listener.
+    assert profile_view.text(record) in run.stdout
+    assert session.listeners == listening
+    found = profile_trace.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
     for one in found:
         where = one.where
@@ -51,7 +55,15 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
         assert any(e.kind == "device→host" for e in one.events)  # y.item()
         assert sum(len(d) for d in one.ops.values()) > 0
     page = profile_view.page(record)
-    assert page.count("<rect") == sum(len(one.events) + sum(map(len, one.lines.values())) for one in found)
+    # Each event is in one mark, of its kind; events that touch at the widest zoom share one (one rect each);
+    # each sampled line is a rect of its own.
+    drawn = [profile_view.marks(one, profile_view.scale(found)) for one in found]
+    for one, its in zip(found, drawn):
+        assert sorted(id(e) for m in its for e in m.events) == sorted(id(e) for e in one.events)
+        assert all(e.kind == m.kind for m in its for e in m.events)
+        assert len(its) < len(one.events)  # the trace's many tiny device ops, a few marks
+    assert page.count("<rect") == sum(len(its) + sum(map(len, one.lines.values())) for one, its in zip(found, drawn))
+    assert page.count('class="xla-compile"') == sum(e.kind == "compile" for one in found for e in one.events)
     assert ">rank 0<" in page and ">rank 1<" in page and "xprof --logdir " + record.profile in page
 
     # the panel marks the profiled run; %xla_profile shows it again
@@ -75,7 +87,7 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
 def test_a_profiled_spmd_cell_has_one_lane(ip, spawn):
     spawn("--spmd --devices 2 --profile", LINES, seen=seen)
     record = ip._xla_magic_session.last_profiled
-    [one] = profile_view.lanes(record)
+    [one] = profile_trace.lanes(record)
     assert one.ranks == [0] and not one.problem
     compiles = [e for e in file_events(one.where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
     assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1
@@ -99,7 +111,7 @@ def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     spawn("--devices 2 --backend tpu --profile", LINES, seen=seen)
     record = ip._xla_magic_session.last_profiled
-    [one] = profile_view.lanes(record)  # the profiler is one per process: the first thread in starts it, the last stops it
+    [one] = profile_trace.lanes(record)  # the profiler is one per process: the first thread in starts it, the last stops it
     assert one.ranks == [0, 1] and not one.problem, one.problem
     assert record.ranks[0].profile is record.ranks[1].profile
     assert len(profile_view.trace_files(record.profile)) == 1
@@ -122,7 +134,7 @@ def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, probl
                        profile=str(tmp_path))
     record.take("profile", {"ranks": [0], "host": "h", "trace": str(path) if content is not None else "",
                             "xplane": "", "error": ""})
-    [one] = profile_view.lanes(record)
+    [one] = profile_trace.lanes(record)
     assert problem in one.problem
     assert problem in profile_view.text(record) and problem in profile_view.page(record)
 
@@ -198,7 +210,7 @@ def check_lines(one, rank: int) -> None:
 def test_a_profiled_cell_shows_its_lines_in_the_order_they_ran(ip, pool, spawn):
     run = spawn("--profile", LINES, seen=seen)
     record = ip._xla_magic_session.last_profiled
-    found = profile_view.lanes(record)
+    found = profile_trace.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
     for one in found:
         assert os.path.isfile(one.where["lines"]) and os.path.dirname(one.where["lines"]) == one.where["folder"]

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, protocol, sharding, transport
+from xla_magic import payload, policy, protocol, sharding, transport
 from xla_magic.launcher_client import READY_TIMEOUT
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
 from xla_magic.ranks import Ranks
@@ -30,7 +30,7 @@ def old_spmd_options(ranks: Ranks, devices: int | None) -> sharding.SpmdOptions:
 
 
 class LocalPool:
-    """Kept ranks on this host; its state is its ranks' (``ranks.state``), which only the pool's requests change."""
+    """Kept ranks on this host; its state is its ranks' (``ranks.state``), which they move as its requests report."""
 
     def __init__(self, runner: Runner, ranks: Ranks, xla_report: str | None) -> None:
         self.runner = runner
@@ -47,7 +47,7 @@ class LocalPool:
         """``%xla_pool start``: ready ranks (or, with ``options.spmd``, an SPMD process) on this host."""
         backend = options.backend or "auto"
         placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
-        ranks = Ranks(placement, keep=True, requested_backend=backend, workdir=runner.workdir, world=world)
+        ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world)
         ranks.hang_after = options.hang_after
         record = runner.record(runner.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
@@ -60,8 +60,7 @@ class LocalPool:
         except BaseException:
             ranks.stop()
             raise
-        ranks.start_seconds = time.monotonic() - began
-        ranks.state = "ready"
+        ranks.start_answered(time.monotonic() - began)
         pool = cls(runner, ranks, options.xla_report)
         runner.notify(record)  # a panel on show learns of the pool now, not at its next redraw
         return pool

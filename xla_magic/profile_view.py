@@ -1,245 +1,31 @@
 """Where each rank's time went in a ``--profile`` cell, drawn from its trace. Runs in the kernel (XLA-free).
 
-Each rank process records the cell with torch_xla's profiler
-(launcher/profiling.py); torch_xla writes a Chrome-trace JSON
-(``trace.json.gz``) beside its ``xplane.pb``. This module reads the JSON
-with the standard library only, sorts its complete events (``"ph": "X"``)
-into kinds, and draws one lane per rank as an SVG (a notebook) or a text
-summary (a terminal), with a table of time by kind, the top device ops and
-the slowest rank against the others.
-
-Kinds, by torch_xla's own event names:
-
-- compile: ``XLAGraphExecutor::Compile`` (its ``graph_hash`` names it as the
-  XLA report does: the cell line and the shapes);
-- execute: ``PjRtComputationClient::ExecuteComputation``/``ExecuteReplicated``;
-- device→host: ``PjRtComputationClient::TransferFromDevice``;
-- host→device: ``PjRtComputationClient::TransferToDevice``;
-- collective/wait: names of collectives and waits (all-reduce, all-gather, rendezvous,
-  torch_xla's ``Wait for ...``), outside a compile (whose passes are named alike);
-- annotation: what the cell named itself (``xp.Trace``, ``xp.StepTrace``,
-  ``xp.trace_me``): events of the cell's thread with no ``::`` in their
-  name and only annotations around them;
-- device op: what ran on the device (XLA:CPU's client thread, a TPU's
-  ``/device:`` process);
-- Python: the cell's thread where no event is (torch_xla's in-process
-  profiler records no Python frames);
-- line: the cell's line, by line, as the rank sampled it every few ms
-  beside the trace (``python-lines.json``, launcher/profiling.py), one row
-  per rank thread, drawn as sampled, not traced.
+The ranks' traces are read into lanes by profile_trace.py (which says what
+each kind of event is); this module draws one lane per rank as an SVG (a
+notebook) or a text summary (a terminal), with a table of time by kind, the
+top device ops and the slowest rank against the others.
 """
 
 from __future__ import annotations
 
-import gzip
 import html
-import json
 import os
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from xla_magic.display import in_notebook
+from xla_magic.profile_trace import KINDS, Event, Lane, Reader, lanes
 from xla_magic.record import RunRecord
 
-KINDS = ("compile", "execute", "device→host", "host→device", "collective/wait", "annotation", "device op", "Python")
+TOP_OPS = 8
+MARKS_KEPT = 4000  # marks drawn per row of a lane (the rest are in the trace files)
 COLORS = {"compile": "#f59e0b", "execute": "#16a34a", "device→host": "#dc2626", "host→device": "#f472b6",
           "collective/wait": "#2563eb", "annotation": "#7c3aed", "device op": "#0d9488", "Python": "#cbd5e1"}
 ROWS = (("host", ("annotation", "compile", "device→host", "host→device", "Python")),
         ("runtime", ("execute", "collective/wait")), ("device", ("device op",)))
-NAMED = {"XLAGraphExecutor::Compile": "compile",
-         "PjRtComputationClient::ExecuteComputation": "execute",
-         "PjRtComputationClient::ExecuteReplicated": "execute",
-         "PjRtComputationClient::TransferFromDevice": "device→host",
-         "PjRtComputationClient::TransferToDevice": "host→device"}
-COLLECTIVE = re.compile(r"all[-_ ]?reduce|all[-_ ]?gather|reduce[-_ ]?scatter|all[-_ ]?to[-_ ]?all|collective"
-                        r"|rendezvous|barrier|^Wait for", re.I)
-# The cell's thread's own steps that are torch_xla's, not the user's (they hold no "::").
-HOST_STEPS = {"StepMarker", "SyncLiveTensorsGraph", "SyncTensorsGraph", "SyncTensorsGraphInternal",
-              "CollectSyncTensors", "ScheduleSyncTensorsGraph", "RunInvariantCheckers", "Codegen"}
-NOT_OPS = re.compile(r"^end: |ThreadpoolListener|ThunkExecutor|^Wait for|TaskDispatcher|::")
-# What a collective or a wait is called outside a compile (a compile's passes are named like them).
-TOP_OPS = 8
-MARKS_KEPT = 4000  # events drawn per rank (the rest are in the trace files)
-OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sampled lines' clock)
 LINE_COLORS = ("#94a3b8", "#64748b", "#a5b4fc", "#818cf8", "#fdba74", "#fb923c")
-
-
-@dataclass
-class Event:
-    kind: str
-    name: str
-    start: float  # µs from the rank's first event
-    duration: float  # µs
-    label: str = ""
-
-
-@dataclass
-class Lane:
-    """One rank process's trace: its events by kind, and its files."""
-
-    ranks: list[int]
-    where: dict[str, Any]
-    events: list[Event] = field(default_factory=list)
-    ops: dict[str, list[float]] = field(default_factory=dict)  # device op name -> durations (µs)
-    span: float = 0.0  # µs from its first event to its last one's end
-    problem: str = ""
-    lines: dict[int, list[Event]] = field(default_factory=dict)  # rank -> its cell's lines, as sampled
-    period_ms: float = 0.0  # how often they were sampled
-
-    def time_by_kind(self) -> dict[str, float]:
-        totals = dict.fromkeys(KINDS, 0.0)
-        for event in self.events:
-            totals[event.kind] += event.duration
-        return totals
-
-
-def read_trace(path: str) -> dict[str, Any]:
-    """A Chrome-trace JSON, gzipped (as torch_xla writes it) or not."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as file:
-        return json.load(file)
-
-
-def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
-    """A rank process's trace as a lane; ``labels`` names compiles by graph hash (from the XLA report)."""
-    found = Lane(sorted(where.get("ranks", ())), where)
-    if where.get("unsent"):  # on several hosts: a trace its host could not send
-        found.problem = f"n/a: {where['unsent']}"
-        return found
-    if where.get("error"):
-        found.problem = f"the profiler did not run: {where['error']}"
-        return found
-    if not where.get("trace"):
-        found.problem = "the profiler wrote no trace.json.gz"
-        return found
-    try:
-        trace = read_trace(where["trace"])
-    except (OSError, ValueError, EOFError) as exc:
-        found.problem = f"its trace could not be read: {type(exc).__name__}: {exc}"
-        return found
-    events = _fill(found, trace.get("traceEvents", []), labels or {})
-    if where.get("lines") and events:
-        _lines(found, events, where["lines"])
-    return found
-
-
-def _lines(found: Lane, events: list[dict[str, Any]], path: str) -> None:
-    """The sampled cell lines, on the trace's clock (the rank's ORIGIN annotation ties the two)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            sampled = json.load(file)
-        marker = next(e for e in events if e["name"] == sampled["origin_event"])
-    except (OSError, ValueError, KeyError, StopIteration):
-        return  # no lines: the trace still stands
-    shift = marker["ts"] - sampled["origin"] - events[0]["ts"]
-    found.period_ms = sampled["period_ms"]
-    for rank, spans in sampled["ranks"].items():
-        if not spans:  # a cell shorter than one period
-            continue
-        found.lines[int(rank)] = [Event("line", f"line {line}", start + shift, end - start, text)
-                                  for line, text, start, end in spans]
-        found.span = max([found.span] + [event.start + event.duration for event in found.lines[int(rank)]])
-
-
-def complete_events(trace_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The trace's complete events ("ph": "X"), in time order."""
-    return sorted((e for e in trace_events if e.get("ph") == "X" and "ts" in e), key=lambda e: (e["ts"], -e.get("dur", 0)))
-
-
-def _fill(found: Lane, trace_events: list[dict[str, Any]], labels: dict[str, str]) -> list[dict[str, Any]]:
-    """The lane's events from the trace's; the trace's complete events, in time order."""
-    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in trace_events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    processes = {e.get("pid"): e.get("args", {}).get("name", "") for e in trace_events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    events = complete_events(trace_events)
-    if not events:
-        found.problem = "its trace holds no events"
-        return events
-    origin = events[0]["ts"]
-    found.span = max(e["ts"] + e.get("dur", 0) for e in events) - origin
-    # The cell's thread: where torch_xla's syncs run (else the one named python).
-    marker = next((e for e in events if e["name"] in ("StepMarker", "XLAGraphExecutor::Compile")), None)
-    cell_thread = (marker["pid"], marker["tid"]) if marker else next(
-        (key for key, name in names.items() if name == "python"), None)
-    open_ends: list[tuple[float, str | None]] = []  # the cell thread's enclosing events: end, kind
-    compiling_until = -1.0  # the end of the cell thread's compile now open: its passes are skipped at once
-    for e in events:
-        start, duration, name = e["ts"] - origin, float(e.get("dur", 0)), e["name"]
-        key = (e.get("pid"), e.get("tid"))
-        if name.startswith(OURS):
-            continue
-        kind = NAMED.get(name)
-        if kind is None and start < compiling_until and key == cell_thread:
-            continue
-        on_device = processes.get(e.get("pid"), "").startswith("/device:") or "PjRtCpuClient" in names.get(key, "")
-        if on_device and kind is None:
-            if not NOT_OPS.search(name):
-                found.ops.setdefault(name, []).append(duration)
-                found.events.append(Event("device op", name, start, duration))
-            continue
-        if key == cell_thread:
-            while open_ends and open_ends[-1][0] <= start:
-                open_ends.pop()
-            around = {kind_around for _end, kind_around in open_ends}
-            if kind is None and "compile" not in around:
-                if COLLECTIVE.search(name):
-                    kind = "collective/wait"
-                elif around <= {"annotation"} and "::" not in name and name not in HOST_STEPS:
-                    kind = "annotation"
-            open_ends.append((start + duration, kind))
-            if kind == "compile":
-                compiling_until = start + duration
-        elif kind is None and COLLECTIVE.search(name):
-            kind = "collective/wait"
-        if kind is not None:
-            label = labels.get(e.get("args", {}).get("graph_hash", ""), "") if kind == "compile" else ""
-            found.events.append(Event(kind, name, start, duration, label))
-    if cell_thread is not None:
-        found.events += _python(events, cell_thread, origin)
-    found.events.sort(key=lambda event: event.start)
-    return events
-
-
-def _python(events: list[dict[str, Any]], thread: tuple[Any, Any], origin: float) -> list[Event]:
-    """The cell thread's time outside any event: the cell's Python."""
-    gaps, reached = [], None
-    for e in events:
-        if (e.get("pid"), e.get("tid")) != thread:
-            continue
-        start, end = e["ts"] - origin, e["ts"] - origin + e.get("dur", 0)
-        if reached is not None and start > reached:
-            gaps.append(Event("Python", "Python", reached, start - reached))
-        reached = end if reached is None else max(reached, end)
-    return gaps
-
-
-def compile_labels(record: RunRecord) -> dict[str, str]:
-    """Graph hash -> how the XLA report names the compile: "line 6, x f32[5,16]"."""
-    from xla_magic import xla_report
-
-    labels = {}
-    for group in xla_report.groups(record) if record.xla_report != "off" else []:
-        for compilation in group.account["compilations"]:
-            if compilation["hash"]:
-                where = xla_report._where(group.account, compilation)
-                shapes = xla_report._shapes(compilation, limit=2)
-                labels[compilation["hash"]] = where + (f", {shapes}" if shapes else "")
-    return labels
-
-
-def lanes(record: RunRecord) -> list[Lane]:
-    """Each rank process's lane, by first rank (rank threads of one process share one)."""
-    labels = compile_labels(record)
-    seen: dict[int, Lane] = {}
-    for rank, state in sorted(record.ranks.items()):
-        where = state.profile
-        if where is None or id(where) in seen:
-            continue
-        seen[id(where)] = lane(where, labels)
-    return sorted(seen.values(), key=lambda found: found.ranks[0] if found.ranks else -1)
 
 
 # --- the tables -------------------------------------------------------------------
@@ -278,7 +64,8 @@ def slowest(found: list[Lane]) -> str:
     worst = max(timed, key=lambda one: one.span)
     others = [one for one in timed if one is not worst]
     typical = statistics.median(one.span for one in others)
-    theirs = {kind: statistics.median(one.time_by_kind()[kind] for one in others) for kind in KINDS}
+    by_lane = [one.time_by_kind() for one in others]
+    theirs = {kind: statistics.median(totals[kind] for totals in by_lane) for kind in KINDS}
     mine = worst.time_by_kind()
     kind = max(KINDS, key=lambda k: mine[k] - theirs[k])
     more = mine[kind] - theirs[kind]
@@ -316,8 +103,8 @@ def files(record: RunRecord, found: list[Lane]) -> list[str]:
 # --- text ---------------------------------------------------------------------------
 
 
-def text(record: RunRecord) -> str:
-    found = lanes(record)
+def text(record: RunRecord, found: list[Lane] | None = None) -> str:
+    found = lanes(record) if found is None else found
     head = f"Profile of run {record.run_id} ({len(found)} trace{'s' * (len(found) != 1)}):"
     if not found:
         return head + " no rank sent a trace (did the cell run to its end?)"
@@ -330,8 +117,9 @@ def text(record: RunRecord) -> str:
         compiles = [event for event in one.events if event.kind == "compile"]
         for event in compiles[:4]:
             lines.append(f"      compile {_ms(event.duration)}" + (f": {event.label}" if event.label else ""))
-        for rank, marks in sorted(one.lines.items()):
-            lines.append(f"      {_tag(rank, one.where)} lines (sampled every {one.period_ms:g} ms): {top_lines(marks)}")
+        for rank, marks_of_lines in sorted(one.lines.items()):
+            lines.append(f"      {_tag(rank, one.where)} lines (sampled every {one.period_ms:g} ms): "
+                         f"{top_lines(marks_of_lines)}")
     table = op_rows(found)
     if table:
         lines += ["", "Top device ops:"] + [f"  {name[:60]:<60} ×{count:<6} {total}" for name, count, total in table]
@@ -349,13 +137,76 @@ WIDTH = 1000  # viewBox units across
 ROW = 12
 LANE_GAP = 8
 LEFT = 70
+THINNEST = 0.3  # the narrowest mark drawn, in viewBox units
+# A unit is about a pixel at 1× (the notebook's width); at the widest zoom (16×) a sixteenth of one is a pixel:
+# marks of one kind closer than that are one mark, as the eye sees them there.
+PIXEL = 1 / 16
+_CSS = {kind: "xla-" + re.sub(r"[^a-z]+", "-", kind.lower()).strip("-") for kind in KINDS + ("line",)}
+
+
+@dataclass(slots=True)
+class Mark:
+    """What one rect draws: a lane's events of one kind in one row that touch at the widest zoom."""
+
+    kind: str
+    left: float  # viewBox units
+    right: float
+    events: list[Event]
+
+    def tip(self) -> str:
+        first = self.events[0]
+        if len(self.events) == 1:
+            return f"{first.kind}: {first.label or first.name} — {_ms(first.duration)} at {_ms(first.start)}"
+        names: dict[str, int] = {}
+        for event in self.events:
+            names[event.name] = names.get(event.name, 0) + 1
+        top = ", ".join(f"{name} ×{count}" for name, count in sorted(names.items(), key=lambda item: -item[1])[:3])
+        more = ", …" if len(names) > 3 else ""
+        busy = sum(event.duration for event in self.events)
+        last = self.events[-1]
+        return (f"{first.kind}: {len(self.events)} events ({top}{more}) — {_ms(busy)} within "
+                f"{_ms(last.start + last.duration - first.start)} at {_ms(first.start)}")
+
+
+def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]:
+    """The lane's events of ``kinds`` as the marks drawn at ``scale`` (viewBox units per µs), in order of start.
+
+    Every event is in exactly one mark, so the picture and the tables tell
+    the same counts; a trace's thousands of sub-microsecond ops become a
+    few hundred rects, which the notebook draws and zooms without effort.
+    """
+    found: list[Mark] = []
+    open_marks: dict[str, Mark] = {}  # the last mark of each kind
+    for event in one.events:
+        kind = event.kind
+        if kind not in kinds:
+            continue
+        left = LEFT + event.start * scale
+        right = left + max(event.duration * scale, THINNEST)
+        mark = open_marks.get(kind)
+        if mark is not None and left <= mark.right + PIXEL:
+            mark.events.append(event)
+            if right > mark.right:
+                mark.right = right
+        else:
+            mark = open_marks[kind] = Mark(kind, left, right, [event])
+            found.append(mark)
+    return found
+
+
+def _end(found: list[Lane]) -> float:
+    return max((one.span for one in found), default=0.0) or 1.0
+
+
+def scale(found: list[Lane]) -> float:
+    """The timeline's viewBox units per µs: the longest lane fills it."""
+    return (WIDTH - LEFT - 10) / _end(found)
 
 
 def svg(found: list[Lane]) -> str:
     """One lane per rank, three rows each (host, runtime, device) and a row of cell lines per rank thread where
     they were sampled, on one time axis (each rank from its own start)."""
-    end = max((one.span for one in found), default=0.0) or 1.0
-    scale = (WIDTH - LEFT - 10) / end
+    end, per_us = _end(found), scale(found)
     height = 24 + sum((len(ROWS) + len(one.lines)) * ROW + LANE_GAP for one in found)
     parts = [f'<svg class="xla-timeline" viewBox="0 0 {WIDTH} {height}" preserveAspectRatio="none" '
              f'xmlns="http://www.w3.org/2000/svg" font-size="9" font-family="sans-serif">']
@@ -366,25 +217,32 @@ def svg(found: list[Lane]) -> str:
     y = 16
     for one in found:
         parts.append(f'<text x="2" y="{y + ROW + 3}" fill="#111">{html.escape(_who(one.ranks, one.where))}</text>')
-        rows = [(name, [event for event in one.events if event.kind in kinds]) for name, kinds in ROWS]
-        rows += [(f"{_tag(rank, one.where)} lines", marks) for rank, marks in sorted(one.lines.items())]
-        for row, (name, marks) in enumerate(rows):
+        rows = [(name, marks(one, per_us, kinds)) for name, kinds in ROWS]
+        rows += [(f"{_tag(rank, one.where)} lines", [_line_mark(event, per_us) for event in sampled])
+                 for rank, sampled in sorted(one.lines.items())]
+        for row, (name, drawn) in enumerate(rows):
             top = y + row * ROW
             parts.append(f'<text x="{LEFT - 4}" y="{top + 9}" text-anchor="end" fill="#999" font-size="7">{name}</text>')
-            for event in marks[:MARKS_KEPT]:
-                x, w = LEFT + event.start * scale, max(event.duration * scale, 0.3)
-                if event.kind == "line":
+            for mark in drawn[:MARKS_KEPT]:
+                if mark.kind == "line":
+                    event = mark.events[0]
                     tip = (f"{event.name}: {event.label} — {_ms(event.duration)} at {_ms(event.start)} "
                            f"(sampled every {one.period_ms:g} ms)")
                     color = LINE_COLORS[int(event.name.split()[-1]) % len(LINE_COLORS)]
                 else:
-                    tip = f"{event.kind}: {event.label or event.name} — {_ms(event.duration)} at {_ms(event.start)}"
-                    color = COLORS[event.kind]
-                parts.append(f'<rect class="xla-{_css(event.kind)}" x="{x:.2f}" y="{top + 1}" width="{w:.2f}" '
-                             f'height="{ROW - 2}" fill="{color}"><title>{html.escape(tip)}</title></rect>')
+                    tip, color = mark.tip(), COLORS[mark.kind]
+                parts.append(f'<rect class="{_CSS[mark.kind]}" x="{mark.left:.2f}" y="{top + 1}" '
+                             f'width="{mark.right - mark.left:.2f}" height="{ROW - 2}" fill="{color}">'
+                             f'<title>{html.escape(tip)}</title></rect>')
         y += len(rows) * ROW + LANE_GAP
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _line_mark(event: Event, per_us: float) -> Mark:
+    """A sampled line is a mark of its own (each line its colour)."""
+    left = LEFT + event.start * per_us
+    return Mark("line", left, left + max(event.duration * per_us, THINNEST), [event])
 
 
 def line_note(found: list[Lane]) -> str:
@@ -404,10 +262,6 @@ def top_lines(marks: list[Event], limit: int = 4) -> str:
     return ", ".join(f"{name} {_ms(total)}" for name, total in sorted(totals.items(), key=lambda i: -i[1])[:limit])
 
 
-def _css(kind: str) -> str:
-    return re.sub(r"[^a-z]+", "-", kind.lower()).strip("-")
-
-
 STYLE = """<style>
 .xla-profile { font-size: var(--jp-code-font-size, 13px); }
 .xla-profile .xla-zoom { overflow-x: auto; border: 1px solid var(--jp-border-color2, #ddd); }
@@ -421,11 +275,11 @@ STYLE = """<style>
 </style>"""
 
 
-def page(record: RunRecord) -> str:
+def page(record: RunRecord, found: list[Lane] | None = None) -> str:
     """The timeline and its tables, as HTML (zoom: CSS only, so it works where scripts do not run)."""
-    found = lanes(record)
+    found = lanes(record) if found is None else found
     if not found:
-        return f'<div class="xla-profile">{html.escape(text(record))}</div>'
+        return f'<div class="xla-profile">{html.escape(text(record, found))}</div>'
     name = f"xla-zoom-{record.run_id}"
     zoom = "".join(f'<input type="radio" name="{name}" value="{z}"{" checked" if z == 1 else ""}> {z}× '
                    for z in (1, 4, 16))
@@ -452,35 +306,45 @@ def page(record: RunRecord) -> str:
 
 
 class Profile:
-    """The profile, as HTML in a notebook and text elsewhere."""
+    """The profile, as HTML in a notebook and text elsewhere (a notebook asks for both: the traces are read once)."""
 
-    def __init__(self, record: RunRecord) -> None:
+    def __init__(self, record: RunRecord, reader: Reader | None = None) -> None:
         self.record = record
+        self.reader = reader
+        self._lanes: list[Lane] | None = None
+
+    def lanes(self) -> list[Lane]:
+        if self._lanes is None:
+            self._lanes = lanes(self.record, self.reader)
+        return self._lanes
 
     def _repr_html_(self) -> str:
-        return page(self.record)
+        return page(self.record, self.lanes())
 
     def __repr__(self) -> str:
-        return text(self.record)
+        return text(self.record, self.lanes())
 
 
-def show(record: RunRecord, text: bool = False) -> None:
+def show(record: RunRecord, text: bool = False, reader: Reader | None = None) -> None:
     from IPython import get_ipython
 
     if text or not in_notebook(get_ipython()):
-        print(repr(Profile(record)), flush=True)
+        print(repr(Profile(record, reader)), flush=True)
     else:
         from IPython.display import display
 
-        display(Profile(record))
+        display(Profile(record, reader))
 
 
-def after_cell(record: RunRecord) -> None:
+def after_cell(record: RunRecord, reader: Reader | None = None) -> None:
     """Under a --profile cell, however it ended: the profile. A fault here never costs the cell its result."""
     try:
-        show(record)
+        show(record, reader=reader)
     except Exception as exc:  # a trace we cannot read, a display that fails
         print(f"(xla_magic could not show the profile: {type(exc).__name__}: {exc})", flush=True)
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 def trace_files(folder: str) -> list[str]:

@@ -1,9 +1,9 @@
 """A live set of ranks: one launcher job, its sockets and processes. Runs in the kernel.
 
 A one-shot cell's ranks and a pool's are the same thing with one policy
-apart, ``keep``: a one-shot set is launched with its one request and
-stopped when that request ends; a kept set (the pool) serves request after
-request and keeps its ranks' namespaces, devices and compiled graphs.
+apart (policy.py): a one-shot set is launched with its one request and
+stopped when that request ends; a pool's set serves request after request
+and keeps its ranks' namespaces, devices and compiled graphs.
 
 The kernel makes a private socket pair per rank and stream (events,
 stdout, stderr) and one for the supervisor, and hands the far ends to the
@@ -11,8 +11,11 @@ launcher with the job; nothing listens on a port. The set owns what lasts
 as long as its ranks: those sockets, the gloo store directory, the held
 shared memory and the results prefix (see shipping.py).
 
-``state`` is one of starting, ready, running, broken, stopped. A broken set
-cannot serve again, and says why (``problem``).
+``state`` is one of starting, ready, running, broken, stopped, and only
+the set writes it: its requests (request.py) report what happened (a
+request began or is over, a rank or a connection was lost, a stop), and the
+set moves its state as its policy says. A broken set cannot serve again,
+and says why (``problem``).
 
 The placement decides how many ranks the set has: one per device, or (SPMD)
 one process driving every device, whose output is tagged ``[spmd]`` and
@@ -36,10 +39,10 @@ from IPython.core.error import UsageError
 
 from xla_magic import probe, protocol, sharding, transport
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
+from xla_magic.policy import RESTART_HINT, Policy
 from xla_magic.shipping import Shipping
 from xla_magic.troubleshooting import see
 
-RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
 STOP_WAIT = 5.0  # how long the ranks get to leave after the kernel closes their sockets
 
 
@@ -101,7 +104,7 @@ class Conn:
 class Ranks:
     """The kernel's handle on one launcher job's ranks."""
 
-    def __init__(self, placement: probe.Placement, keep: bool, requested_backend: str, workdir: PrivateDir,
+    def __init__(self, placement: probe.Placement, policy: Policy, requested_backend: str, workdir: PrivateDir,
                  world: dict[str, Any] | None = None) -> None:
         self.placement = placement
         self.world = world  # one host's ranks of several (see xla_magic.hosts): host, rank_offset, world_size...
@@ -110,7 +113,7 @@ class Ranks:
         self.size = placement.ranks  # how many ranks answer each request
         self.one_value = placement.spmd
         self.cpu_threads = placement.cpu_threads
-        self.keep = keep
+        self.policy = policy  # one-shot or a pool's, for the set's life
         self.requested_backend = requested_backend
         self.workdir = workdir
         self.state = "starting"
@@ -154,6 +157,7 @@ class Ranks:
                 "store": self.store,
                 "backend": self.backend,
                 "cpu_threads": self.cpu_threads,
+                "policy": self.policy.name,
                 "first": first,
                 "spmd": self._spmd_job(),
                 "world": self.world,
@@ -302,7 +306,45 @@ class Ranks:
         finally:
             self.kill()
 
-    # -- state -------------------------------------------------------------
+    # -- state: what its requests report, and what the set makes of it -----------
+
+    def start_answered(self, seconds: float) -> None:
+        """Every rank answered the set's start (a pool's, which sends no cell): it is ready for requests."""
+        self.start_seconds = seconds
+        self.state = "ready"
+
+    def request_began(self) -> None:
+        """A request goes to ready ranks (a one-shot set's went with its job, while it was starting)."""
+        self.state = "running"
+
+    def request_over(self, had_results: bool) -> None:
+        """A request to the set ended, however it did: running ranks are ready again.
+
+        As the policy says, what is left of a broken set ends now (it only
+        holds memory, devices and what its cells started), and so do the
+        results the kernel did not take; else all that goes when it stops.
+        """
+        settles = self.policy.settles_after_each_request
+        if had_results and settles:
+            self.results.sweep()  # the kernel took (and unlinked) each one it loaded
+        if self.state == "running":
+            self.state = "ready"
+        elif self.state == "broken" and settles:
+            self.end_broken()
+            self.release_memory()
+
+    def lost(self, reason: str, guess: bool = False) -> None:
+        """Part of the set is gone (a rank, a connection, its start) or garbled: broken, if its policy says so."""
+        if self.policy.loss_breaks:
+            self.mark_broken(reason, guess)
+
+    def processes_ended(self, reason: str) -> bool:
+        """The supervisor says every rank process is gone; True when that broke a set that was serving."""
+        self.ended = True
+        if not self.policy.loss_breaks or self.state in ("starting", "stopped"):
+            return False
+        self.mark_broken(reason)
+        return True
 
     def mark_broken(self, reason: str, guess: bool = False) -> None:
         """Note that the set cannot serve again, and why.

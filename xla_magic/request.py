@@ -13,11 +13,13 @@ A request is over when every rank it asked has answered (DONE) or is gone
 (its events socket closed, or the supervisor reported its exit), whatever
 children the ranks left holding their sockets: the supervisor ends those.
 
-How it stops follows from the set's policy. A one-shot set's ranks are
-signalled as a group: SIGINT, then SIGTERM, then SIGKILL. A pool's ranks
-only have their cell interrupted (SIGINT, repeated until they answer), so
-the pool lives on; ranks that will not answer are killed and the pool is
-broken.
+What an event means for the ranks, how the request stops and how its end
+is worded follow from the set's policy (policy.py), which the request asks;
+the set moves its own state from what the request reports. A one-shot
+set's ranks are signalled as a group: SIGINT, then SIGTERM, then SIGKILL.
+A pool's ranks only have their cell interrupted (SIGINT, repeated until
+they answer), so the pool lives on; ranks that will not answer are killed
+and the pool is broken.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from IPython.core.error import UsageError
 from xla_magic import protocol, rank_display, transport
 from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
-from xla_magic.ranks import RESTART_HINT, Conn, Ranks, describe_exit
+from xla_magic.policy import RESTART_HINT
+from xla_magic.ranks import Conn, Ranks, describe_exit
 from xla_magic.record import RankState, RunRecord
 from xla_magic.watch import Watch
 
@@ -114,7 +117,7 @@ class Request:
             raise UsageError(
                 f"the pool lost a rank before this request ({self.ranks.problem}); nothing ran. {RESTART_HINT}."
             )
-        self.ranks.state = "running"
+        self.ranks.request_began()
 
     def _send(self) -> None:
         """Send the request to every asked rank.
@@ -187,15 +190,9 @@ class Request:
     def _after(self) -> None:
         """However the request ended: the output it left, its untaken results, the set's state."""
         self._drain_output()
-        if self.has_result and self.ranks.keep:
-            self.ranks.results.sweep()  # the kernel took (and unlinked) each one it loaded
         if self.record.outcome == "running":  # the stop itself was broken off
             self._finish("interrupted" if self.stop_reason == "interrupt" else "failed")
-        if self.ranks.state == "running":
-            self.ranks.state = "ready"
-        elif self.ranks.state == "broken" and self.ranks.keep:
-            self.ranks.end_broken()  # what is left only holds memory, devices and what its cells started
-            self.ranks.release_memory()
+        self.ranks.request_over(self.has_result)
 
     def _settled(self, rank: int) -> bool:
         return rank in self.done or rank in self.lost
@@ -284,9 +281,9 @@ class Request:
             self._supervisor_ended(None)
         elif conn.kind == "events" and conn.rank in self.targets and not self._settled(conn.rank):
             self._lose(conn.rank)
-        if conn.kind in ("supervisor", "events") and self.ranks.keep and self.ranks.state != "stopped":
+        if conn.kind in ("supervisor", "events"):
             who = "the pool's supervisor" if conn.rank is None else self.ranks.name(conn.rank)
-            self.ranks.mark_broken(self.ranks.launcher_death() or f"{who} ended", guess=True)
+            self.ranks.lost(self.ranks.launcher_death() or f"{who} ended", guess=True)
 
     def _lose(self, rank: int) -> None:
         """The rank is gone before answering; its exit code says how, when it comes."""
@@ -298,8 +295,7 @@ class Request:
         rank = conn.rank
         if kind == protocol.BROKEN:
             self._fail(rank if rank is not None else -1, "ProtocolError", f"garbled message: {fields['reason']}")
-            if self.ranks.keep:
-                self.ranks.mark_broken(f"a garbled message from the ranks ({fields.get('reason')})")
+            self.ranks.lost(f"a garbled message from the ranks ({fields.get('reason')})")
         elif conn.kind == "supervisor":
             self._handle_supervisor(kind, fields)
         elif kind == protocol.STATUS:
@@ -314,6 +310,7 @@ class Request:
             self._take_result(rank, fields)
         elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
             self.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
+            self.on_update(self.record)  # a listener may act on it at once (profile_view.Reader reads the trace)
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
                 self.rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
@@ -356,8 +353,7 @@ class Request:
         elif kind == protocol.EXIT:
             rank, code = fields["rank"], fields["code"]
             self.exit_codes[rank] = code
-            if self.ranks.keep:
-                self.ranks.mark_broken(f"{self.ranks.name(rank)} died: {describe_exit(code)}")
+            self.ranks.lost(f"{self.ranks.name(rank)} died: {describe_exit(code)}")
             # Its last words may still sit in its sockets (its children may
             # hold them open, so no end-of-file need come): read them now.
             self._drain([self.ranks.events[rank], self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
@@ -370,16 +366,14 @@ class Request:
 
     def _supervisor_ended(self, error: str | None) -> None:
         """Every rank process is gone, and whatever they left behind was ended."""
-        self.ranks.ended = True
         if error:
             self.launch_error = error
-        if not self.ranks.keep or self.ranks.state in ("starting", "stopped"):
-            return
         # Under a running pool: the tpu launch path reports rank processes
         # that died this way, and so does a launcher's death.
         death = self.ranks.launcher_death()
         cause = f": {error.strip().splitlines()[-1]}" if error else ""
-        self.ranks.mark_broken(death or f"the pool's rank processes ended{cause}")
+        if not self.ranks.processes_ended(death or f"the pool's rank processes ended{cause}"):
+            return
         for rank in self.unsettled():
             if rank not in self.failures and self.stop_reason is None:
                 self._fail(rank, "RankDied", death or f"{self.ranks.name(rank)}'s process ended{cause}")
@@ -438,16 +432,16 @@ class Request:
         self.watch.capture(reason)  # where every rank is, before the stop moves them
         self.stop_reason = reason
         pending = self.unsettled()
-        if self.ranks.keep and self.ranks.state == "starting":
-            self.ranks.mark_broken(f"its start was stopped ({reason})")
-        if self.ranks.keep and self.ranks.state != "broken":
-            if pending:
-                self._interrupt(pending, reason)
-        if self.ranks.state == "broken" and self.ranks.keep:
-            self.ranks.kill_ranks()
-            self._wait_for_ranks(pending, EXIT_CODE_WAIT)
-        elif not self.ranks.keep:
+        if self.ranks.state == "starting":
+            self.ranks.lost(f"its start was stopped ({reason})")
+        if not self.ranks.policy.stops_cells_only:
             self._escalate(signal.SIGTERM if reason == "failure" else signal.SIGINT)
+        else:
+            if pending and self.ranks.state != "broken":
+                self._interrupt(pending, reason)
+            if self.ranks.state == "broken":
+                self.ranks.kill_ranks()
+                self._wait_for_ranks(pending, EXIT_CODE_WAIT)
         for rank in self.targets:
             if not self._settled(rank) or self.record.ranks[rank].state in ("starting", "running", "stopped"):
                 self.rank_state(rank, "killed")
@@ -542,30 +536,18 @@ class Request:
         self.on_update(self.record)
 
     def _stopped_note(self) -> str:
-        if not self.ranks.keep:
-            return "the SPMD process was stopped" if self.ranks.one_value else "the ranks were stopped"
-        if self.ranks.state == "broken":
-            return f"the pool is broken: {RESTART_HINT}"
-        return "the pool keeps its ranks and their namespaces"
+        return self.ranks.policy.stopped_note(self.ranks.one_value, self.ranks.state == "broken")
 
     def _failure_summary(self) -> str:
         ranks = sorted(r for r in self.failures if r >= 0)
         summary = "the SPMD process failed" if self.ranks.one_value else f"rank(s) {_listed(ranks)} failed"
         if self.stop_reason == "failure" and len(ranks) < len(self.targets):
-            summary += "; the other ranks were stopped" if not self.ranks.keep else "; the others' cells were stopped"
-        if self.ranks.keep and self.ranks.state == "broken":
-            summary += f"; the pool is broken: {RESTART_HINT}"
-        return summary
+            summary += self.ranks.policy.others_stopped()
+        return summary + self.ranks.policy.broken_note(self.ranks.state == "broken")
 
     def _interrupted_message(self) -> str:
-        if not self.ranks.keep:
-            who = "the SPMD process was" if self.ranks.one_value else "the ranks were"
-            return (f"interrupted; {who} stopped (SIGINT, then SIGTERM/SIGKILL if needed). "
-                    "Results of ranks that finished are on this error's .results.")
-        if self.ranks.state == "broken":
-            return f"interrupted; {self.ranks.problem}, so the pool is broken. {RESTART_HINT}."
-        return ("interrupted; the cell was stopped in every rank, and the pool keeps its ranks and "
-                "their namespaces. Results of ranks that finished are on this error's .results.")
+        broken = self.ranks.state == "broken"
+        return self.ranks.policy.interrupted(self.ranks.one_value, self.ranks.problem if broken else None)
 
     def _error(self, summary: str) -> RankError:
         if self.record.outcome == "running":

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, probe, profile_view, protocol, sharding, xla_report
+from xla_magic import payload, place, policy, probe, profile_view, protocol, sharding, xla_report
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pool import Cell
@@ -97,7 +97,7 @@ class Runner:
     def one_shot(self, cell: Cell, world: protocol.World | None = None) -> Any:
         """``cell`` in ranks spawned for it alone (one host's part of ``world``, if given), then ended."""
         placement = plan(cell.backend, cell.devices, "%%xla_spawn", cell.spmd)
-        ranks = Ranks(placement, keep=False, requested_backend=cell.backend, workdir=self.workdir, world=world)
+        ranks = Ranks(placement, policy.ONE_SHOT, requested_backend=cell.backend, workdir=self.workdir, world=world)
         try:
             return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
@@ -138,12 +138,17 @@ class Runner:
                 self.remember(record)
             request.start()
             self.one_value = ranks.one_value
+            # --profile: each rank process's trace is read as soon as the rank says where it is (profile_view.Reader)
+            reader = profile_view.Reader() if cell.profile and self.shows_profiles else None
+            if reader is not None:
+                self.listeners.append(reader.notice)
             try:
                 return ranks.value(request.wait())
             finally:
                 xla_report.after_cell(record)
-                if cell.profile and self.shows_profiles:
-                    profile_view.after_cell(record)
+                if reader is not None:
+                    self.listeners.remove(reader.notice)
+                    profile_view.after_cell(record, reader)
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)

@@ -241,7 +241,8 @@ def _running_record() -> Any:
 def _outcome(call: Callable[[], Any]) -> HostOutcome:
     """Run ``call``; what came of it, as plain data: ok (and the value), failed, interrupted or refused.
 
-    ipykernel restores its own SIGINT handler (which ignores it) once the call returns."""
+    ipykernel restores its own SIGINT handler (which ignores it) once the call returns. The engine flushes
+    the call's output before it replies (each flush waits for ipykernel's IO thread: not twice)."""
     global _running
     _running = True
     signal.signal(signal.SIGINT, _interrupt)
@@ -261,8 +262,6 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
         return {"outcome": "refused", "message": str(exc), "broken": _broken()}
     finally:
         _running = False
-        sys.stdout.flush()
-        sys.stderr.flush()
     return {"outcome": "ok", "value": value}
 
 

@@ -16,7 +16,7 @@ import signal
 import stat
 import time
 import uuid
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
@@ -271,14 +271,14 @@ class HostsPool:
             devices = cell.devices or self.devices
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
-            calls = [self.client[engine].apply_async(on_host.run_fresh, cell.source, sending.for_host(index),
-                                                     sending.names, cell.timeout, here, world, devices, cell.profile)
-                     for index, (engine, world) in enumerate(zip(self.engines, worlds))]
+            calls = self._call_hosts(on_host.run_fresh, [
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
+                 cell.profile) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
-            calls = [self.client[engine].apply_async(on_host.run_cell, cell.source, sending.for_host(index),
-                                                     sending.names, cell.timeout, here, cell.profile)
-                     for index, engine in enumerate(self.engines)]
+            calls = self._call_hosts(on_host.run_cell, [
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile)
+                for index in range(len(self.hosts))])
         record = self._record(cell.source, devices)
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices)
         try:
@@ -300,16 +300,26 @@ class HostsPool:
         self.check_usable()
         check_names(names, user_ns)
         blob = payload.pickle_namespace({name: user_ns[name] for name in names})  # once, for every host
-        calls = [self.client[e].apply_async(on_host.push, blob) for e in self.engines]
+        calls = self._call_hosts(on_host.push, [(blob,)] * len(self.hosts))
         self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool push {' '.join(names)}", self.devices)))
 
     def pull(self, name: str, rank: int | None) -> Any:
         self.check_usable()
         check_rank(rank, self.world_size, "the pool across hosts")
-        calls = [self.client[e].apply_async(on_host.pull, name) for e in self.engines]
+        calls = self._call_hosts(on_host.pull, [(name,)] * len(self.hosts))
         values = self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool pull {name}", self.devices)))
         every = [value for host_values in values for value in host_values]
         return every if rank is None else every[rank]
+
+    def _call_hosts(self, function: Callable[..., Any], args_by_host: list[tuple[Any, ...]]) -> list[Any]:
+        """``function(*args)`` on each host's engine, as one ipyparallel AsyncResult per host, in host order.
+
+        Where every host gets the same arguments (a cell whose values every host holds, a push, a pull) it
+        is one apply to every engine: ipyparallel packs the message once and sends it to each in turn.
+        """
+        if all(args == args_by_host[0] for args in args_by_host):
+            return list(self.client[self.engines].apply_async(function, *args_by_host[0]).split())
+        return [self.client[engine].apply_async(function, *args) for engine, args in zip(self.engines, args_by_host)]
 
     def _follow(self, request: HostsRequest) -> list[Any]:
         """``request`` to its end; meanwhile the pool is running (its engines are busy: nothing else asks them)."""

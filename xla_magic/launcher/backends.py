@@ -7,8 +7,9 @@ it ends every process they left behind, however they detached, and only
 then says ENDED (see lifetime.py). When the launcher dies (with the
 kernel) it does the same before it goes.
 
-Every rank runs serve.serve(); a job with a ``first`` request is one-shot
-(its ranks answer that request and leave), one without is a pool.
+Every rank runs serve.serve(), as the job's ``policy`` says: one-shot (its
+ranks answer the job's ``first`` request and leave) or a pool (they serve
+until the kernel closes their sockets); see serve.Serving.
 
 - cpu: one forked process per rank, each with a single XLA CPU device
   (PJRT_DEVICE=CPU), joined in a gloo process group on loopback.
@@ -66,13 +67,13 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
             rank_module.RankSockets(*(socket.socket(fileno=fd) for fd in fds[i : i + SOCKETS_PER_RANK]))
             for i in range(1, len(fds), SOCKETS_PER_RANK)
         ]
-        first = job.get("first")
+        serving = serve.Serving.of(job)
         if job.get("spmd"):
-            run_spmd(first, ranks, supervisor, job["spmd"])
+            run_spmd(serving, ranks, supervisor, job["spmd"])
         elif job["backend"] == "cpu":
-            run_cpu(first, job["run_id"], ranks, supervisor, job["store"], job.get("world"))
+            run_cpu(serving, job["run_id"], ranks, supervisor, job["store"], job.get("world"))
         else:
-            run_tpu(first, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"], world=job.get("world"))
+            run_tpu(serving, job["run_id"], ranks, supervisor, cpu_threads=job["cpu_threads"], world=job.get("world"))
     except BaseException:
         code = 1
         try:
@@ -146,7 +147,7 @@ def _interface_of(address: str) -> str | None:
 
 
 def run_cpu(
-    first: bytes | None,
+    serving: serve.Serving,
     run_id: int,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
@@ -160,7 +161,7 @@ def run_cpu(
     supervisor_pid = os.getpid()
     _fork_and_wait(
         ranks, supervisor,
-        lambda rank: _cpu_rank(rank, ranks, supervisor, first, run_id, store, supervisor_pid, world),
+        lambda rank: _cpu_rank(rank, ranks, supervisor, serving, run_id, store, supervisor_pid, world),
     )
 
 
@@ -193,7 +194,7 @@ def _cpu_rank(
     rank: int,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
-    first: bytes | None,
+    serving: serve.Serving,
     run_id: int,
     store: str,
     supervisor_pid: int,
@@ -229,7 +230,7 @@ def _cpu_rank(
         # Across hosts no directory is shared: the ranks meet on the world's store.
         closing = simulate.leave(simulate.closing_across_hosts(run_id) if world else
                                  strategy_module.closing_on_store(os.path.join(store, "closing"), run_id, world_size))
-        ok = serve.serve(rank, ranks[rank], setup, first, closing)
+        ok = serve.serve(rank, ranks[rank], setup, serving, closing)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()
@@ -255,20 +256,20 @@ def _forked_rank(rank: int, ranks: list[rank_module.RankSockets], supervisor: pr
 
 
 def run_spmd(
-    first: bytes | None,
+    serving: serve.Serving,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
     layout: dict[str, Any],
 ) -> None:
     """Fork the one SPMD process; ``layout`` holds its device count, mesh and axes, and whether on CPU."""
     supervisor_pid = os.getpid()
-    _fork_and_wait(ranks, supervisor, lambda rank: _spmd_process(ranks, supervisor, first, layout, supervisor_pid))
+    _fork_and_wait(ranks, supervisor, lambda rank: _spmd_process(ranks, supervisor, serving, layout, supervisor_pid))
 
 
 def _spmd_process(
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
-    first: bytes | None,
+    serving: serve.Serving,
     layout: dict[str, Any],
     supervisor_pid: int,
 ) -> None:
@@ -278,7 +279,7 @@ def _spmd_process(
         _forked_rank(0, ranks, supervisor, supervisor_pid)
         # Before anything starts the runtime: it reads these once.
         os.environ.update(spmd.environment(layout["devices"], on_cpu=layout["on_cpu"]))
-        ok = serve.serve(0, ranks[0], lambda: spmd.setup(layout["devices"], layout["mesh"], layout["axes"]), first)
+        ok = serve.serve(0, ranks[0], lambda: spmd.setup(layout["devices"], layout["mesh"], layout["axes"]), serving)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()
@@ -289,7 +290,7 @@ def _spmd_process(
 
 
 def run_tpu(
-    first: bytes | None,
+    serving: serve.Serving,
     run_id: int,
     ranks: list[rank_module.RankSockets],
     supervisor: protocol.Channel,
@@ -316,7 +317,7 @@ def run_tpu(
     relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
     relay.start()
     try:
-        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, first, run_id, world), nprocs=nprocs, start_method="fork")
+        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, serving, run_id, world), nprocs=nprocs, start_method="fork")
     except BaseException:
         error = traceback.format_exc()
     else:
@@ -330,7 +331,7 @@ def _tpu_rank(
     index: int,
     ranks: list[rank_module.RankSockets],
     supervisor: socket.socket,
-    first: bytes | None,
+    serving: serve.Serving,
     run_id: int,
     world: protocol.World | None = None,
 ) -> None:
@@ -358,5 +359,5 @@ def _tpu_rank(
             names.update(local_rank=index, host=world["host"])
         return names
 
-    serve.serve(index, ranks[index], setup, first, strategy_module.closing_on_xla(run_id))
+    serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
     lifetime.flush_c_stdio()

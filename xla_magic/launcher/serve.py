@@ -3,10 +3,11 @@
 Every rank, one-shot or in a pool, on every backend, lives the same life:
 set up (device, peers, in-cell names), say it is ready, then answer
 requests from the kernel on its events socket: run a cell, take pushed
-values, send a value back. A one-shot rank is handed its one request
+values, send a value back. Only the policy differs (:class:`Serving`, as
+its job names it), as with ``max_tasks_per_child`` in CPython's
+concurrent.futures.process: a one-shot rank is handed its one request
 through fork, with its job, answers it and leaves; a pool rank then waits
-for more until the kernel closes the socket. Only that policy differs, as
-with ``max_tasks_per_child`` in CPython's concurrent.futures.process.
+for more until the kernel closes the socket.
 
 Each request carries a ``seq`` that the rank's RESULT / ERROR / DONE echo,
 so the kernel can ignore replies to a request it gave up on. A set-up that
@@ -36,7 +37,7 @@ import threading
 import time
 import traceback
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic import protocol, transport
 from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, rank as rank_module, shell, stacks,
@@ -45,6 +46,27 @@ from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
 START_SEQ = 0  # the seq of a pool's start: every rank's ready answers it
+
+
+class Serving(NamedTuple):
+    """How a job's ranks serve: its ``policy``, which the kernel decided (xla_magic/policy.py), and its request."""
+
+    policy: str  # protocol.ONE_SHOT: answer ``first`` and leave; protocol.POOL: serve until the socket closes
+    first: bytes | None = None  # a one-shot rank's one request, which came with its job
+
+    @classmethod
+    def of(cls, job: dict[str, Any]) -> Serving:
+        """The job's policy and request; ValueError unless a one-shot job has its request and a pool's none."""
+        policy, first = job.get("policy"), job.get("first")
+        if policy not in (protocol.ONE_SHOT, protocol.POOL) or (policy == protocol.ONE_SHOT) != (first is not None):
+            raise ValueError(f"a job is one-shot with its request or a pool without one, not {policy!r} "
+                             f"{'with' if first is not None else 'without'} a request")
+        return cls(policy, first)
+
+    @property
+    def one_shot(self) -> bool:
+        """Ends what each request started (a pool keeps it: see lifetime.py), and leaves after its one request."""
+        return self.policy == protocol.ONE_SHOT
 
 
 # --- the rank's side of shipping ----------------------------------------------
@@ -163,14 +185,14 @@ class RankServer:
         streams: capture.RankStreams,
         rank_names: dict[str, Any],
         closing: Callable[[], None] | None = None,
-        one_shot: bool = False,
+        serving: Serving = Serving(protocol.POOL),
     ) -> None:
         self.rank = rank
         self.channel = channel
         self.streams = streams
         self.rank_names = rank_names
         self.closing = closing  # a one-shot rank's rendezvous after its cell, else None
-        self.one_shot = one_shot  # ends what its request started; a pool keeps it (see lifetime.py)
+        self.serving = serving
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **rank_names}
         self.shipped = ShippedValues()
         self.cells = CompiledCells()
@@ -279,7 +301,7 @@ class RankServer:
         kernel reads DONE every byte of the request's output is there to read.
         DONE carries the processes the rank keeps (a pool's: what its cells started).
         """
-        if self.one_shot:
+        if self.serving.one_shot:
             self.children.end_new()
         self.flush_output()
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
@@ -423,7 +445,7 @@ class RankServer:
         """An ERROR for what raised in this rank outside the user's code, with the cell it was serving."""
         cell = self._serving.strip().splitlines()
         serving = f"the cell starting {cell[0][:80]!r}" if cell else "no cell yet"
-        goes_on = "" if self.one_shot else "; the pool's rank goes on serving"
+        goes_on = "" if self.serving.one_shot else "; the pool's rank goes on serving"
         where = f"(raised in the rank {when}, outside the cell's code, while it served {serving}{goes_on})"
         return protocol.encode(
             protocol.ERROR,
@@ -453,14 +475,14 @@ def serve(
     rank: int,
     sockets: rank_module.RankSockets,
     setup: Callable[[], dict[str, Any]],
-    first: bytes | None = None,
+    serving: Serving,
     closing: Callable[[], None] | None = None,
 ) -> bool:
     """Set up once, then answer requests; False when the rank could not start or its request failed.
 
-    With ``first`` (a one-shot rank) the rank answers that request, which
-    came with its job, and leaves; ``closing`` is the rendezvous its cell
-    ends with. Without, it serves until the kernel closes its socket.
+    A one-shot rank answers the request that came with its job and leaves;
+    ``closing`` is the rendezvous its cell ends with. A pool's rank serves
+    until the kernel closes its socket.
     """
     streams = capture.RankStreams(rank, sockets.out, sockets.err)
     capture.attach(streams)
@@ -472,7 +494,7 @@ def serve(
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
         lifetime.become_subreaper()  # what a request starts stays ours to end (see lifetime.ChildWatch)
-    request = _decode(first) if first is not None else None
+    request = _decode(serving.first) if serving.first is not None else None
     xla_analysis.claim_analysis()  # before the runtime first compiles: torch_xla reads it once
     waiting_seq = request.fields.get("seq") if request is not None else START_SEQ
     started = time.monotonic()
@@ -483,8 +505,8 @@ def serve(
         with interrupt.Request():
             try:
                 rank_names = setup()
-                server = RankServer(rank, channel, streams, rank_names, closing if request is not None else None,
-                                    one_shot=request is not None)
+                server = RankServer(rank, channel, streams, rank_names, closing if serving.one_shot else None,
+                                    serving)
                 served.append(server)
             except BaseException as exc:  # anything from the runtime's start
                 streams.flush()

@@ -1,0 +1,396 @@
+"""A rank process's ``--profile`` trace, read into a lane of events by kind. Runs in the kernel (XLA-free).
+
+Each rank process records the cell with torch_xla's profiler
+(launcher/profiling.py); torch_xla writes a Chrome-trace JSON
+(``trace.json.gz``) beside its ``xplane.pb``. This module reads the JSON
+with the standard library only and sorts its complete events
+(``"ph": "X"``) into kinds, thread by thread; profile_view.py draws them.
+A ``Reader`` reads each rank's trace as soon as the rank says where it is,
+while the others still run.
+
+Kinds, by torch_xla's own event names:
+
+- compile: ``XLAGraphExecutor::Compile`` (its ``graph_hash`` names it as the
+  XLA report does: the cell line and the shapes);
+- execute: ``PjRtComputationClient::ExecuteComputation``/``ExecuteReplicated``;
+- device→host: ``PjRtComputationClient::TransferFromDevice``;
+- host→device: ``PjRtComputationClient::TransferToDevice``;
+- collective/wait: names of collectives and waits (all-reduce, all-gather, rendezvous,
+  torch_xla's ``Wait for ...``), outside a compile (whose passes are named alike);
+- annotation: what the cell named itself (``xp.Trace``, ``xp.StepTrace``,
+  ``xp.trace_me``): events of the cell's thread with no ``::`` in their
+  name and only annotations around them;
+- device op: what ran on the device (XLA:CPU's client thread, a TPU's
+  ``/device:`` process);
+- Python: the cell's thread where no event is (torch_xla's in-process
+  profiler records no Python frames);
+- line: the cell's line, by line, as the rank sampled it every few ms
+  beside the trace (``python-lines.json``, launcher/profiling.py), one row
+  per rank thread, drawn as sampled, not traced.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from xla_magic.record import RunRecord
+
+KINDS = ("compile", "execute", "device→host", "host→device", "collective/wait", "annotation", "device op", "Python")
+NAMED = {"XLAGraphExecutor::Compile": "compile",
+         "PjRtComputationClient::ExecuteComputation": "execute",
+         "PjRtComputationClient::ExecuteReplicated": "execute",
+         "PjRtComputationClient::TransferFromDevice": "device→host",
+         "PjRtComputationClient::TransferToDevice": "host→device"}
+COLLECTIVE = re.compile(r"all[-_ ]?reduce|all[-_ ]?gather|reduce[-_ ]?scatter|all[-_ ]?to[-_ ]?all|collective"
+                        r"|rendezvous|barrier|^Wait for", re.I)
+# The cell's thread's own steps that are torch_xla's, not the user's (they hold no "::").
+HOST_STEPS = {"StepMarker", "SyncLiveTensorsGraph", "SyncTensorsGraph", "SyncTensorsGraphInternal",
+              "CollectSyncTensors", "ScheduleSyncTensorsGraph", "RunInvariantCheckers", "Codegen"}
+NOT_OPS = re.compile(r"^end: |ThreadpoolListener|ThunkExecutor|^Wait for|TaskDispatcher|::")
+_SYNC_STEPS = ("StepMarker", "XLAGraphExecutor::Compile")  # the first of them names the cell's thread
+OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sampled lines' clock)
+
+
+@dataclass(slots=True)
+class Event:
+    kind: str
+    name: str
+    start: float  # µs from the rank's first event
+    duration: float  # µs
+    label: str = ""
+
+
+@dataclass
+class Lane:
+    """One rank process's trace: its events by kind, and its files."""
+
+    ranks: list[int]
+    where: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    ops: dict[str, list[float]] = field(default_factory=dict)  # device op name -> durations (µs)
+    span: float = 0.0  # µs from its first event to its last one's end
+    problem: str = ""
+    lines: dict[int, list[Event]] = field(default_factory=dict)  # rank -> its cell's lines, as sampled
+    period_ms: float = 0.0  # how often they were sampled
+    _totals: dict[str, float] | None = field(default=None, repr=False, compare=False)
+
+    def time_by_kind(self) -> dict[str, float]:
+        """µs by kind (summed once: the tables ask again and again; the events are not changed after reading)."""
+        if self._totals is None:
+            totals = dict.fromkeys(KINDS, 0.0)
+            for event in self.events:
+                totals[event.kind] += event.duration
+            self._totals = totals
+        return dict(self._totals)
+
+
+def read_trace(path: str) -> dict[str, Any]:
+    """A Chrome-trace JSON, gzipped (as torch_xla writes it) or not (bytes to json: no text layer between)."""
+    with open(path, "rb") as file:
+        data = file.read()
+    return json.loads(gzip.decompress(data) if path.endswith(".gz") else data)
+
+
+def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
+    """A rank process's trace as a lane; ``labels`` names compiles by graph hash (from the XLA report)."""
+    found = Lane(sorted(where.get("ranks", ())), where)
+    if where.get("unsent"):  # on several hosts: a trace its host could not send
+        found.problem = f"n/a: {where['unsent']}"
+        return found
+    if where.get("error"):
+        found.problem = f"the profiler did not run: {where['error']}"
+        return found
+    if not where.get("trace"):
+        found.problem = "the profiler wrote no trace.json.gz"
+        return found
+    try:
+        trace = read_trace(where["trace"])
+    except (OSError, ValueError, EOFError) as exc:
+        found.problem = f"its trace could not be read: {type(exc).__name__}: {exc}"
+        return found
+    filled = _fill(found, trace.get("traceEvents", []), labels or {})
+    if where.get("lines") and filled is not None:
+        _lines(found, *filled, where["lines"])
+    return found
+
+
+def _lines(found: Lane, origin: float, by_thread: dict[Any, list[dict[str, Any]]], path: str) -> None:
+    """The sampled cell lines, on the trace's clock (the rank's ORIGIN annotation ties the two)."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            sampled = json.load(file)
+        marker = min((e for there in by_thread.values() for e in there if e["name"] == sampled["origin_event"]),
+                     key=_time_order)
+    except (OSError, ValueError, KeyError):  # (min of nothing is a ValueError)
+        return  # no lines: the trace still stands
+    shift = marker["ts"] - sampled["origin"] - origin
+    found.period_ms = sampled["period_ms"]
+    for rank, spans in sampled["ranks"].items():
+        if not spans:  # a cell shorter than one period
+            continue
+        found.lines[int(rank)] = [Event("line", f"line {line}", start + shift, end - start, text)
+                                  for line, text, start, end in spans]
+        found.span = max([found.span] + [event.start + event.duration for event in found.lines[int(rank)]])
+
+
+def complete_events(trace_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trace's complete events ("ph": "X"), in time order."""
+    return sorted((e for e in trace_events if e.get("ph") == "X" and "ts" in e), key=_time_order)
+
+
+def _time_order(e: dict[str, Any]) -> tuple[float, float]:
+    return e["ts"], -e.get("dur", 0)
+
+
+class _Names:
+    """What each event name is, decided once per name (a trace repeats a few hundred names thousands of times)."""
+
+    def __init__(self) -> None:
+        self.op: dict[str, bool] = {}
+        self.collective: dict[str, bool] = {}
+        self.annotation: dict[str, bool] = {}
+
+    def is_op(self, name: str) -> bool:
+        found = self.op.get(name)
+        if found is None:
+            found = self.op[name] = not NOT_OPS.search(name) and not name.startswith(OURS)
+        return found
+
+    def is_collective(self, name: str) -> bool:
+        found = self.collective.get(name)
+        if found is None:
+            found = self.collective[name] = bool(COLLECTIVE.search(name))
+        return found
+
+    def may_annotate(self, name: str) -> bool:
+        found = self.annotation.get(name)
+        if found is None:
+            found = self.annotation[name] = "::" not in name and name not in HOST_STEPS
+        return found
+
+
+def _fill(found: Lane, trace_events: list[dict[str, Any]],
+          labels: dict[str, str]) -> tuple[float, dict[Any, list[dict[str, Any]]]] | None:
+    """Sort the trace's complete events into the lane's kinds, thread by thread (see the module's docstring).
+
+    Returns the first event's start and the complete events by thread (None
+    when there are none); our own annotations (OURS) are in those, not in the lane.
+    """
+    threads: dict[tuple[Any, Any], str] = {}
+    processes: dict[Any, str] = {}
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    origin, last = float("inf"), float("-inf")  # the first event's start, the last one's end
+    for e in trace_events:
+        phase = e.get("ph")
+        if phase == "X":
+            ts = e.get("ts")
+            if ts is not None:
+                key = (e.get("pid"), e.get("tid"))
+                events_there = by_thread.get(key)
+                if events_there is None:
+                    events_there = by_thread[key] = []
+                events_there.append(e)
+                if ts < origin:
+                    origin = ts
+                end = ts + e.get("dur", 0)
+                if end > last:
+                    last = end
+        elif phase == "M":
+            what = e.get("name")
+            if what == "thread_name":
+                threads[(e.get("pid"), e.get("tid"))] = e.get("args", {}).get("name", "")
+            elif what == "process_name":
+                processes[e.get("pid")] = e.get("args", {}).get("name", "")
+    if not by_thread:
+        found.problem = "its trace holds no events"
+        return None
+    found.span = last - origin
+    cell_thread = _cell_thread(by_thread, threads)
+    known = _Names()
+    for key, there in by_thread.items():
+        if key == cell_thread:
+            _cell_events(found, there, origin, labels, known)
+        elif processes.get(key[0], "").startswith("/device:") or "PjRtCpuClient" in threads.get(key, ""):
+            _device_events(found, there, origin, labels, known)
+        else:
+            _other_events(found, there, origin, labels, known)
+    found.events.sort(key=_start)
+    return origin, by_thread
+
+
+def _cell_thread(by_thread: dict[tuple[Any, Any], list[dict[str, Any]]], threads: dict[tuple[Any, Any], str]) -> Any:
+    """The cell's thread: where torch_xla's syncs run (the earliest StepMarker or compile), else the one named python."""
+    first: tuple[float, Any] | None = None
+    for key, there in by_thread.items():
+        for e in there:
+            if e["name"] in _SYNC_STEPS and (first is None or e["ts"] < first[0]):
+                first = (e["ts"], key)
+    if first is not None:
+        return first[1]
+    return next((key for key, name in threads.items() if name == "python"), None)
+
+
+def _device_events(found: Lane, there: list[dict[str, Any]], origin: float, labels: dict[str, str],
+                   known: "_Names") -> None:
+    """What ran on the device: its ops (all but the runtime's own steps); torch_xla's named steps as elsewhere."""
+    events, ops, is_op = found.events, found.ops, known.op
+    rest = []
+    for e in there:
+        name = e["name"]
+        op = is_op.get(name)
+        if op is None:
+            op = known.is_op(name) if name not in NAMED else None
+            if op is None:
+                rest.append(e)
+                continue
+        if op:
+            start, duration = e["ts"] - origin, float(e.get("dur", 0))
+            durations = ops.get(name)
+            if durations is None:
+                durations = ops[name] = []
+            durations.append(duration)
+            events.append(Event("device op", name, start, duration))
+    if rest:
+        _other_events(found, rest, origin, labels, known)
+
+
+def _other_events(found: Lane, there: list[dict[str, Any]], origin: float, labels: dict[str, str],
+                  known: "_Names") -> None:
+    """A runtime thread's events: torch_xla's named steps, and collectives and waits."""
+    events = found.events
+    for e in there:
+        name = e["name"]
+        kind = NAMED.get(name)
+        if kind is None:
+            if not known.is_collective(name) or name.startswith(OURS):
+                continue
+            kind = "collective/wait"
+        events.append(_event(e, kind, origin, labels))
+
+
+def _cell_events(found: Lane, there: list[dict[str, Any]], origin: float, labels: dict[str, str],
+                 known: "_Names") -> None:
+    """The cell thread's events in time order: its named steps, collectives and annotations outside a compile
+    (whose own passes are skipped), and the Python between them."""
+    there.sort(key=_time_order)
+    events = found.events
+    open_ends: list[tuple[float, str | None]] = []  # the enclosing events: end, kind
+    compiling_until = -1.0  # the end of the compile now open: its passes are skipped at once
+    for e in there:
+        name = e["name"]
+        if name.startswith(OURS):
+            continue
+        start = e["ts"] - origin
+        kind = NAMED.get(name)
+        if kind is None and start < compiling_until:
+            continue
+        end = start + float(e.get("dur", 0))
+        while open_ends and open_ends[-1][0] <= start:
+            open_ends.pop()
+        if kind is None and not any(around == "compile" for _end, around in open_ends):
+            if known.is_collective(name):
+                kind = "collective/wait"
+            elif known.may_annotate(name) and all(around == "annotation" for _end, around in open_ends):
+                kind = "annotation"
+        open_ends.append((end, kind))
+        if kind == "compile":
+            compiling_until = end
+        if kind is not None:
+            events.append(_event(e, kind, origin, labels))
+    events += _python(there, origin)
+
+
+def _event(e: dict[str, Any], kind: str, origin: float, labels: dict[str, str]) -> Event:
+    label = labels.get(e.get("args", {}).get("graph_hash", ""), "") if kind == "compile" else ""
+    return Event(kind, e["name"], e["ts"] - origin, float(e.get("dur", 0)), label)
+
+
+def _start(event: Event) -> float:
+    return event.start
+
+
+def _python(there: list[dict[str, Any]], origin: float) -> list[Event]:
+    """The cell thread's time outside any of its events (``there``, in time order): the cell's Python."""
+    gaps, reached = [], None
+    for e in there:
+        start = e["ts"] - origin
+        end = start + e.get("dur", 0)
+        if reached is not None and start > reached:
+            gaps.append(Event("Python", "Python", reached, start - reached))
+        reached = end if reached is None or end > reached else reached
+    return gaps
+
+
+def compile_labels(account: dict[str, Any] | None) -> dict[str, str]:
+    """Graph hash -> how the XLA report names the compile in a rank process's account: "line 6, x f32[5,16]"."""
+    from xla_magic import xla_report
+
+    labels = {}
+    for compilation in account["compilations"] if account else ():
+        if compilation["hash"]:
+            where = xla_report._where(account, compilation)
+            shapes = xla_report._shapes(compilation, limit=2)
+            labels[compilation["hash"]] = where + (f", {shapes}" if shapes else "")
+    return labels
+
+
+def _labels_of(record: RunRecord, where: dict[str, Any]) -> dict[str, str]:
+    """The compile names for a rank process's lane, from its own account (the one XLA event its ranks share)."""
+    ranks = where.get("ranks") or ()
+    state = record.ranks.get(ranks[0]) if ranks else None
+    return compile_labels(state.xla if state is not None and record.xla_report != "off" else None)
+
+
+def _profiles(record: RunRecord) -> list[dict[str, Any]]:
+    """Where each rank process's profile is, once per process (rank threads of one process share one)."""
+    seen: dict[int, dict[str, Any]] = {}
+    for _rank, state in sorted(record.ranks.items()):
+        if state.profile is not None:
+            seen.setdefault(id(state.profile), state.profile)
+    return list(seen.values())
+
+
+def lanes(record: RunRecord, reader: "Reader | None" = None) -> list[Lane]:
+    """Each rank process's lane, by first rank; those ``reader`` already read are taken from it."""
+    found = [reader.lane(record, where) if reader is not None else lane(where, _labels_of(record, where))
+             for where in _profiles(record)]
+    return sorted(found, key=lambda one: one.ranks[0] if one.ranks else -1)
+
+
+class Reader:
+    """The ranks' traces, each read in a thread of its own as soon as its rank says where it is.
+
+    A session listener while a ``--profile`` cell runs (runner.py): the
+    request tells listeners of each fact a rank sends, so the traces of the
+    ranks that finish first are read while the slowest still runs, and the
+    cell's end waits for the last one or two only. One thread reads them in
+    turn (the JSON parser holds the GIL: more would not go faster).
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._reading: dict[int, Future[Lane]] = {}  # by the id of a rank process's profile fact
+
+    def notice(self, record: RunRecord) -> None:
+        """Start reading each trace not yet being read (never raises: it runs as a listener)."""
+        try:
+            for where in _profiles(record):
+                if id(where) not in self._reading:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla_magic-profile")
+                    self._reading[id(where)] = self._pool.submit(lane, where, _labels_of(record, where))
+        except Exception:  # a malformed fact: lanes() reads it again and says what is wrong
+            pass
+
+    def lane(self, record: RunRecord, where: dict[str, Any]) -> Lane:
+        reading = self._reading.get(id(where))
+        return reading.result() if reading is not None else lane(where, _labels_of(record, where))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
