@@ -23,6 +23,14 @@ what ``--profile`` adds there is the reading and drawing, which on a busy
 2-core machine, where the kernel is one runnable process among many, is
 stretched in wall time far more than the ranks' work spread over cores.
 
+The lines row of the timeline (the cell's line, sampled every few ms on
+each rank's cell thread, launcher/profiling.py) is measured in the same
+rounds: ``--profile`` (terminal) with it against ``--profile`` without it
+(``XLA_MAGIC_PROFILE_LINES=0`` in the kernel's environment, which the
+ranks follow cell by cell), on the training cell and on a cell of pure
+Python (the sampler's worst case: it takes the GIL from the cell's thread
+at each sample).
+
 Target: ``--profile`` adds nothing measurable beyond the profiler (a ratio
 of 1.00 within noise; the issue's bar: at most 1.1).
 """
@@ -30,6 +38,7 @@ of 1.00 within noise; the issue's bar: at most 1.1).
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -57,9 +66,16 @@ def steps():
         optimizer.step()
         torch_xla.sync()
     return loss.item()
+def python_work():
+    total = 0
+    for i in range(400_000):
+        total += i % 7
+    return total
 """
 PROFILED = "steps()"
 SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps()\nxp.stop_trace()"
+PYTHON = "python_work()"
+NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines
 
 Row = tuple[str, float, float, str, str]
 
@@ -89,10 +105,24 @@ def as_in_a_notebook() -> Iterator[None]:
         profile_view.in_notebook = asked
 
 
+@contextlib.contextmanager
+def without_lines() -> Iterator[None]:
+    os.environ[NO_LINES] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(NO_LINES, None)
+
+
 def run(shell: Any, kind: str) -> float:
     """One cell of ``kind``: its wall time; its kernel CPU time goes to CPU."""
     cpu = time.process_time()
-    if kind == "notebook":
+    if kind in ("no lines", "python, no lines"):
+        with without_lines():
+            wall = cell_time(shell, "--profile", PROFILED if kind == "no lines" else PYTHON)
+    elif kind == "python":
+        wall = cell_time(shell, "--profile", PYTHON)
+    elif kind == "notebook":
         with as_in_a_notebook():
             wall = cell_time(shell, "--profile", PROFILED)
     else:
@@ -102,7 +132,7 @@ def run(shell: Any, kind: str) -> float:
     return wall
 
 
-KINDS = ("notebook", "terminal", "self", "plain")
+KINDS = ("notebook", "terminal", "self", "plain", "no lines", "python", "python, no lines")
 
 
 def measure(shell: Any) -> dict[str, list[float]]:
@@ -158,6 +188,14 @@ def main() -> list[Row]:
          cpu["notebook"], cpu["self"], "ms",
          f"baseline: its CPU time for the cell with the profiler alone; as in a terminal: {cpu['terminal']:.1f} ms; "
          "what the machine's load does not stretch"),
+        (f"the training cell with --profile and its sampled lines (median of {ROUNDS})",
+         ms["terminal"], ms["no lines"], "ms",
+         f"baseline: --profile without the lines ({NO_LINES}=0), in the same rounds; "
+         f"median of the rounds' ratios {ratio(times, 'terminal', 'no lines'):.3f}"),
+        (f"a pure-Python cell with --profile and its sampled lines (median of {ROUNDS})",
+         ms["python"], ms["python, no lines"], "ms",
+         f"baseline: --profile without the lines ({NO_LINES}=0), in the same rounds, the sampler's worst case; "
+         f"median of the rounds' ratios {ratio(times, 'python', 'python, no lines'):.3f}"),
     ]
 
 
