@@ -17,7 +17,19 @@ other round (so drift in the machine's load falls on all alike), as:
 
 Figures: each kind's median cell, and the median over rounds of each
 round's ratio to the profiler alone (steadier than a ratio of medians on a
-loaded machine).
+loaded machine). Also the kernel process's own CPU time per cell (all its
+threads: ``time.process_time``), which the machine's load does not stretch:
+what ``--profile`` adds there is the reading and drawing, which on a busy
+2-core machine, where the kernel is one runnable process among many, is
+stretched in wall time far more than the ranks' work spread over cores.
+
+The lines row of the timeline (the cell's line, sampled every few ms on
+each rank's cell thread, launcher/profiling.py) is measured in the same
+rounds: ``--profile`` (terminal) with it against ``--profile`` without it
+(``XLA_MAGIC_PROFILE_LINES=0`` in the kernel's environment, which the
+ranks follow cell by cell), on the training cell and on a cell of pure
+Python (the sampler's worst case: it takes the GIL from the cell's thread
+at each sample).
 
 Target: ``--profile`` adds nothing measurable beyond the profiler (a ratio
 of 1.00 within noise; the issue's bar: at most 1.1).
@@ -26,6 +38,7 @@ of 1.00 within noise; the issue's bar: at most 1.1).
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -53,11 +66,21 @@ def steps():
         optimizer.step()
         torch_xla.sync()
     return loss.item()
+def python_work():
+    total = 0
+    for i in range(400_000):
+        total += i % 7
+    return total
 """
 PROFILED = "steps()"
 SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps()\nxp.stop_trace()"
+PYTHON = "python_work()"
+NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines
 
 Row = tuple[str, float, float, str, str]
+
+
+CPU: dict[str, list[float]] = {}  # the kernel's CPU seconds per cell, by kind, as measured
 
 
 def cell_time(shell: Any, line: str, cell: str) -> float:
@@ -82,15 +105,34 @@ def as_in_a_notebook() -> Iterator[None]:
         profile_view.in_notebook = asked
 
 
+@contextlib.contextmanager
+def without_lines() -> Iterator[None]:
+    os.environ[NO_LINES] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(NO_LINES, None)
+
+
 def run(shell: Any, kind: str) -> float:
-    if kind == "notebook":
+    """One cell of ``kind``: its wall time; its kernel CPU time goes to CPU."""
+    cpu = time.process_time()
+    if kind in ("no lines", "python, no lines"):
+        with without_lines():
+            wall = cell_time(shell, "--profile", PROFILED if kind == "no lines" else PYTHON)
+    elif kind == "python":
+        wall = cell_time(shell, "--profile", PYTHON)
+    elif kind == "notebook":
         with as_in_a_notebook():
-            return cell_time(shell, "--profile", PROFILED)
-    return cell_time(shell, *{"terminal": ("--profile", PROFILED), "self": ("", SELF_TRACED),
-                              "plain": ("", PROFILED)}[kind])
+            wall = cell_time(shell, "--profile", PROFILED)
+    else:
+        wall = cell_time(shell, *{"terminal": ("--profile", PROFILED), "self": ("", SELF_TRACED),
+                                  "plain": ("", PROFILED)}[kind])
+    CPU.setdefault(kind, []).append(time.process_time() - cpu)
+    return wall
 
 
-KINDS = ("notebook", "terminal", "self", "plain")
+KINDS = ("notebook", "terminal", "self", "plain", "no lines", "python", "python, no lines")
 
 
 def measure(shell: Any) -> dict[str, list[float]]:
@@ -105,6 +147,7 @@ def measure(shell: Any) -> dict[str, list[float]]:
         for _ in range(WARM_UP):  # every graph compiled, the profiler loaded
             for kind in KINDS:
                 run(shell, kind)
+        CPU.clear()
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for i in range(ROUNDS):
             for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):
@@ -128,6 +171,7 @@ def main() -> list[Row]:
         if loaded_here:
             shell.run_line_magic("unload_ext", "xla_magic")
     ms = {kind: statistics.median(values) * 1000 for kind, values in times.items()}
+    cpu = {kind: statistics.median(values) * 1000 for kind, values in CPU.items()}
     against = "baseline: the same cell calling xp.start_trace/stop_trace itself, in the same rounds; "
     return [
         (f"a 10-step training cell with --profile, shown as in a notebook, {RANKS}-rank pool (median of {ROUNDS})",
@@ -140,6 +184,18 @@ def main() -> list[Row]:
          ms["self"], ms["plain"], "ms",
          f"baseline: the cell unprofiled: what the profiler itself costs; "
          f"median of the rounds' ratios {ratio(times, 'self', 'plain'):.3f}"),
+        (f"the kernel's own CPU time for a --profile cell shown as in a notebook (median of {ROUNDS})",
+         cpu["notebook"], cpu["self"], "ms",
+         f"baseline: its CPU time for the cell with the profiler alone; as in a terminal: {cpu['terminal']:.1f} ms; "
+         "what the machine's load does not stretch"),
+        (f"the training cell with --profile and its sampled lines (median of {ROUNDS})",
+         ms["terminal"], ms["no lines"], "ms",
+         f"baseline: --profile without the lines ({NO_LINES}=0), in the same rounds; "
+         f"median of the rounds' ratios {ratio(times, 'terminal', 'no lines'):.3f}"),
+        (f"a pure-Python cell with --profile and its sampled lines (median of {ROUNDS})",
+         ms["python"], ms["python, no lines"], "ms",
+         f"baseline: --profile without the lines ({NO_LINES}=0), in the same rounds, the sampler's worst case; "
+         f"median of the rounds' ratios {ratio(times, 'python', 'python, no lines'):.3f}"),
     ]
 
 

@@ -273,7 +273,9 @@ def test_a_profiled_cell_records_every_rank_on_every_host_and_brings_its_files_t
         assert f"{where['trace']}, {where['xplane']} (copied from the host's {where['on_host']})" in out
         # The lane's compiles are the copied trace's own, and its lines are this rank's, in order.
         compiles = [e for e in file_events(where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
-        assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1
+        drawn = [e for e in one.events if e.kind == "compile"]
+        assert len(drawn) == len(compiles) >= 1
+        assert all(e.label.startswith("line 4") for e in drawn), [e.label for e in drawn]  # as the XLA report names it
         assert list(one.lines) == [r]
         check_lines(one, r)
         assert f"  h{h} r{r}: " in out and f"h{h} r{r} lines (sampled every" in out
@@ -297,3 +299,22 @@ def test_a_profiled_cell_records_every_rank_on_every_host_and_brings_its_files_t
         assert f"h1 r{one.ranks[0]}: " in out and "n/a: the profiler did not run" in out
         assert f"(its folder on the host's {one.where['on_host']})" in out and one.where["on_host"].startswith(
             hosts.hostname(1) + ":")
+
+
+def test_a_fresh_profiled_cell_on_every_host_brings_every_rank_s_trace(ip, pool, hosts):
+    from test_profile import file_events
+
+    from xla_magic import profile_view
+
+    value, _, _ = cell(ip, "import torch, torch_xla\ny = (torch.ones(8, device=device) + rank).sum()\ntorch_xla.sync()\n"
+                           "y.item()", line="--fresh --profile")
+    assert value == [8.0 * (r + 1) for r in range(WORLD)]
+    record = ip._xla_magic_session.last_profiled
+    found = profile_view.lanes(record)
+    assert [one.ranks for one in found] == [[r] for r in range(WORLD)]
+    for one in found:
+        [r] = one.ranks
+        assert not one.problem, one.problem
+        assert one.where["trace"].startswith(os.path.join(record.profile, f"h{r // RANKS_PER_HOST}r{r}") + os.sep)
+        compiles = [e for e in file_events(one.where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
+        assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1

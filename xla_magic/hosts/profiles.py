@@ -30,6 +30,7 @@ class SentTrace(TypedDict):
     where: dict[str, Any]  # the rank's PROFILE fields, local ranks, the host's paths
     files: dict[str, bytes]  # by key in FILES: the file's bytes, for each one sent
     unsent: str  # why the trace is not among them ("" when it is)
+    accounts: dict[int, Any]  # its ranks' XLA accounts, by local rank: the timeline names compiles as the report does
 
 
 def collect(record: RunRecord | None) -> list[SentTrace]:
@@ -59,7 +60,8 @@ def collect(record: RunRecord | None) -> list[SentTrace]:
         unsent = "" if "trace" in files else (
             f"the profiler did not run: {where['error']}" if where.get("error")
             else f"not sent: {'; '.join(left)}" if left else "the profiler wrote no trace.json.gz")
-        sent.append(SentTrace(where=dict(where), files=files, unsent=unsent))
+        accounts = {rank: record.ranks[rank].xla for rank in where.get("ranks", ()) if rank in record.ranks}
+        sent.append(SentTrace(where=dict(where), files=files, unsent=unsent, accounts=accounts))
     return sent
 
 
@@ -77,6 +79,7 @@ def store(record: RunRecord, outcomes: dict[int, Any], hosts: list[str], devices
                 given.add(rank)
                 state = record.ranks.setdefault(rank, RankState(state="done"))
                 state.profile = where
+                state.xla = state.xla or (item.get("accounts") or {}).get(rank - index * devices)
         missing = [index * devices + local for local in range(devices) if index * devices + local not in given]
         if missing:  # the host sent nothing for them: its engine lost, or its cell stopped before they ended
             why = (f"host h{index} sent no trace: {outcome.get('message') or outcome['outcome']}"

@@ -44,7 +44,7 @@ XPLANE = "xplane.pb"
 LINES = "python-lines.json"
 PERIOD_MS = 5  # how often the cell's line is sampled
 ORIGIN = "xla_magic: sampled lines start"  # the annotation that ties the sampled lines' clock to the trace's
-LINES_SWITCH = "XLA_MAGIC_PROFILE_LINES"  # "0" in the kernel's environment: profiled cells sample no lines
+LINES_SWITCH = "XLA_MAGIC_PROFILE_LINES"  # in the kernel's environment: "0", no lines; a number, the period in ms
 
 
 class Profiler:
@@ -56,7 +56,8 @@ class Profiler:
         self.ranks: list[int] = []
         self.folder = ""
         self.error = ""
-        self.lines: LineSampler | None = None
+        self.lines: LineSampler | None = None  # the sampler, while it samples this process's profiled cell
+        self.sampler = LineSampler()
 
     def begin(self, rank: int, directory: str) -> None:
         with self.lock:
@@ -77,12 +78,17 @@ class Profiler:
         except Exception as exc:  # another trace running (the user's), an old torch_xla
             self.error = f"{type(exc).__name__}: {exc}"
             return
-        if os.environ.get(LINES_SWITCH) == "0":
+        period = _period()
+        if not period:
             return
         try:
-            with xp.Trace(ORIGIN):
+            import torch_xla
+
+            # The C++ TraceMe itself: xp.Trace would also push an IR scope and look for jax (ms, each time).
+            with torch_xla._XLAC.profiler.TraceMe(ORIGIN):
                 origin = time.time_ns() // 1000
-            self.lines = LineSampler(origin)
+            self.sampler.start(origin, period)
+            self.lines = self.sampler
         except Exception:  # no lines, still the trace
             self.lines = None
 
@@ -122,16 +128,27 @@ class Profiler:
 
 
 class LineSampler:
-    """Every PERIOD_MS, each profiled rank thread's innermost cell line, kept as spans (µs since the epoch)."""
+    """Every PERIOD_MS while a profiled cell runs, each profiled rank thread's innermost cell line, kept as spans
+    (µs since the epoch). One thread per process, made with the first profiled cell and kept: between
+    profiled cells it sleeps on an event, and costs nothing (starting a thread each cell cost milliseconds
+    of scheduling on a loaded machine)."""
 
-    def __init__(self, origin: int) -> None:
-        self.origin = origin  # when the ORIGIN annotation began, µs since the epoch
+    def __init__(self) -> None:
+        self.origin = 0  # when the ORIGIN annotation began, µs since the epoch
+        self.period: float = PERIOD_MS
         self.threads: dict[int, int] = {}  # thread ident -> its rank
         self.spans: dict[int, list[list[Any]]] = {}  # rank -> [line, text, start, end], in order
         self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
-        self.thread.start()
+        self.running = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, origin: int, period: float = PERIOD_MS) -> None:
+        with self.lock:
+            self.origin, self.period, self.threads, self.spans = origin, period, {}, {}
+            self.running.set()
+            if self.thread is None or not self.thread.is_alive():  # a forked child has none
+                self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
+                self.thread.start()
 
     def add(self, rank: int, ident: int) -> None:
         with self.lock:
@@ -146,7 +163,9 @@ class LineSampler:
                 self._close(rank, time.time_ns() // 1000)
 
     def _run(self) -> None:
-        while not self.stopping.wait(PERIOD_MS / 1000):
+        while True:
+            self.running.wait()
+            time.sleep(self.period / 1000)
             try:
                 self.sample()
             except Exception:  # never lose the cell to a frame we could not read
@@ -156,6 +175,8 @@ class LineSampler:
         frames = sys._current_frames()
         now = time.time_ns() // 1000
         with self.lock:
+            if not self.running.is_set():
+                return
             for ident, rank in self.threads.items():
                 found = cell_line(frames.get(ident))
                 spans = self.spans[rank]
@@ -173,15 +194,23 @@ class LineSampler:
             spans[-1][3] = now
 
     def stop(self) -> dict[str, Any]:
-        """Stop sampling; what it saw, as written beside the trace."""
-        self.stopping.set()
-        self.thread.join(1.0)
+        """Stop sampling (the thread sleeps again); what it saw, as written beside the trace."""
         now = time.time_ns() // 1000
         with self.lock:
+            self.running.clear()
             for rank in list(self.spans):
                 self._close(rank, now)
-            return {"period_ms": PERIOD_MS, "origin": self.origin, "origin_event": ORIGIN,
+            return {"period_ms": self.period, "origin": self.origin, "origin_event": ORIGIN,
                     "ranks": {str(rank): spans for rank, spans in self.spans.items()}}
+
+
+def _period() -> float:
+    """The sampling period the kernel's environment asks for (LINES_SWITCH), in ms; 0: no lines."""
+    asked = os.environ.get(LINES_SWITCH, "")
+    try:
+        return max(float(asked), 0.0) if asked else PERIOD_MS
+    except ValueError:
+        return PERIOD_MS
 
 
 def cell_line(frame: types.FrameType | None) -> tuple[int, str] | None:
