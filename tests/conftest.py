@@ -189,8 +189,10 @@ def _session_processes(session) -> set[int]:
 
 
 def _state(request) -> dict[str, Any]:
-    session = getattr(request.getfixturevalue("ip"), "_xla_magic_session", None) if "ip" in request.fixturenames else None
+    shell = request.getfixturevalue("ip") if "ip" in request.fixturenames else None
+    session = getattr(shell, "_xla_magic_session", None)
     return {
+        "names": set(shell.user_ns) if shell is not None else None,
         "session": session,
         "listeners": list(session.listeners) if session is not None else None,
         "pool": session.pool if session is not None else None,
@@ -202,12 +204,21 @@ def _state(request) -> dict[str, Any]:
 
 @pytest.fixture(autouse=True)
 def nothing_left(request):
-    """After every test: nothing it added is left, and nothing it did not add was removed; else it fails, named."""
+    """After every test: nothing it added is left, and nothing it did not add was removed; else it fails, named.
+    The names it added to the shared shell are removed (below), not failed: the shell is every test's notebook."""
     before = _state(request)
     yield
     stop_watching()  # a wait for an event that never came acts in no later test
     after = _state(request)
     leaks = []
+    if before["names"] is not None:
+        # The shared shell is every test's notebook: a name a test left in it would be shipped to the next
+        # test's ranks in place of their own (a pool's ``kept`` read in a later cell, say). So each test's
+        # own names go with it; IPython's history names (_, _i3, ...) are no test's.
+        shell = request.getfixturevalue("ip")
+        for name in after["names"] - before["names"]:
+            if not name.startswith("_"):
+                shell.user_ns.pop(name, None)
     session = after["session"]
     if session is not None and session is before["session"]:
         from xla_magic import widget

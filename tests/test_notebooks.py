@@ -51,7 +51,7 @@ def tags(cell: nbformat.NotebookNode) -> set[str]:
 
 def execute(notebook: nbformat.NotebookNode, **env: str) -> nbformat.NotebookNode:
     """Run every cell in a fresh kernel of this environment, in notebooks/, as notebooks/sync.py does."""
-    return load_sync().execute(notebook, timeout=300, **env)
+    return load_sync().execute(notebook, timeout=900, **env)  # per cell: a bound on a hang, not on speed
 
 
 def cell_with(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
