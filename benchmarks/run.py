@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TIMEOUT = 300  # seconds for one benchmark module
+TIMEOUT = 900  # seconds for one benchmark module: a bound on a hang (bench_profile runs 7 kinds x 11 rounds)
 ROWS_MARK = "BENCH-ROWS "
 
 # Loads one module without running its __main__ block, calls main(), and
