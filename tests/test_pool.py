@@ -10,6 +10,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import termios
 
 import numpy as np
@@ -20,9 +21,9 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import BACKING, kernel_is_xla_free
-from helpers import (WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in, pool_magic,
-                     press_stop, shown, stopped, wait_for, wait_gone, when)
-from xla_magic import transport
+from helpers import (WITHIN, WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in,
+                     pool_magic, press_stop, shown, stopped, wait_for, wait_gone, when)
+from xla_magic import frame_writer, transport
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
 from xla_magic.ranks import Ranks
 from xla_magic.request import Request
@@ -538,7 +539,9 @@ def test_an_interrupt_while_a_request_is_sent_breaks_the_pool_and_leaks_nothing(
     assert stopped(pids[0])
     ip.user_ns["bulky"] = list(range(2_000_000))  # ~10 MB of pickle, sent inline
     # Once part of it waits in rank 0's socket, the kernel still sending the rest.
-    pressed = interrupt_when(lambda: main_thread_in(Ranks.send) and unsent(pool.ranks.events[0].sock) > 0)
+    # Once more of it waits in rank 0's socket than a small frame (the rank may not have read the last one).
+    pressed = interrupt_when(lambda: main_thread_in(Ranks.send)
+                             and unsent(pool.ranks.events[0].sock) > frame_writer.SMALL_FRAME)
     with pytest.raises(RunInterrupted, match="request to rank 0 was cut off.*%xla_pool restart"):
         spawn("", "len(bulky)")
     assert pressed.is_set()
@@ -548,6 +551,44 @@ def test_an_interrupt_while_a_request_is_sent_breaks_the_pool_and_leaks_nothing(
     assert epoll_descriptors() == selectors_before  # the pool's own, and no other
     with pytest.raises(UsageError, match="broken"):
         spawn("", "rank")
+
+
+def test_an_interrupted_large_write_says_exactly_how_much_of_its_frame_went():
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    frame = bytes(range(256)) * 40_000  # 10 MB: more than the socket's buffer takes, and no reader yet
+    pressed = interrupt_when(lambda: main_thread_in(frame_writer.write_frame)
+                             and unsent(ours) > frame_writer.SMALL_FRAME)
+    with pytest.raises(frame_writer.Unsent) as caught:
+        frame_writer.write_frame(ours, frame, timeout=WITHIN)
+    assert pressed.is_set() and isinstance(caught.value.cause, KeyboardInterrupt)
+    ours.close()
+    with theirs:
+        got = b"".join(iter(lambda: theirs.recv(1 << 20), b""))
+    assert 0 < caught.value.sent < len(frame) and got == frame[:caught.value.sent]
+
+
+def test_an_interrupt_as_a_request_begins_to_go_out_leaves_every_rank_out_and_the_pool_ready(ip, pool, spawn):
+    """The stop button lands as the kernel begins to write the request to rank 0 (at Ranks.send's first
+    line, where Python checks for signals), before any byte went: no rank has anything to stop."""
+    spawn("", "left = rank")
+    pids = dict(pool.pids)
+
+    def press_as_the_first_send_begins(frame, event, _arg):
+        if event == "call" and frame.f_code is Ranks.send.__code__:
+            sys.settrace(None)
+            press_stop()  # the handler runs as os.kill returns: KeyboardInterrupt from the call's first line
+        return None
+
+    sys.settrace(press_as_the_first_send_begins)
+    try:
+        with pytest.raises(RunInterrupted, match="keeps its ranks"):
+            spawn("", "left = -1")
+    finally:
+        sys.settrace(None)
+    assert pool.state == "ready" and pool.pids == pids
+    assert ip._xla_magic_session.history[-1].outcome == "interrupted"
+    assert spawn("", "left").value == [0, 1]  # no rank ran the interrupted cell
 
 
 def test_a_rank_that_keeps_printing_in_the_background_does_not_hold_up_its_cells(pool, spawn):

@@ -37,7 +37,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import probe, protocol, sharding, transport
+from xla_magic import frame_writer, probe, protocol, sharding, transport
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
 from xla_magic.policy import RESTART_HINT, Policy
 from xla_magic.shipping import Shipping
@@ -127,6 +127,7 @@ class Ranks:
         self.selector = selectors.DefaultSelector()  # every socket of the set, for its whole life
         self.supervisor_pid: int | None = None
         self.pids: dict[int, int] = {}  # rank -> its process (rank threads share one)
+        self.writing: int | None = None  # the rank whose request's first byte may have gone (send)
         self.thread_ranks: set[int] = set()  # ranks that are threads of a shared process
         self.ended = False  # the supervisor said ENDED or closed its socket
         self.started = time.time()
@@ -222,28 +223,19 @@ class Ranks:
 
         Whatever stops it part-way (an interrupt, a rank that stopped reading)
         leaves a partial frame the rank cannot read past: the set is broken.
+        One that stops it before the first byte leaves ``writing`` None: that
+        rank has nothing to stop. Otherwise ``writing`` is ``rank``, which may
+        hold the whole request (an interrupt just after it went).
         """
-        sock = self.events[rank].sock
-        sent = 0
+        self.writing = rank
         try:
-            try:
-                sent = sock.send(frame)
-            except BlockingIOError:
-                pass
-            if sent < len(frame):
-                sock.settimeout(READY_TIMEOUT)  # a large request: let the rank read it
-                try:
-                    rest = memoryview(frame)[sent:]
-                    while rest:
-                        written = sock.send(rest)
-                        sent += written
-                        rest = rest[written:]
-                finally:
-                    sock.setblocking(False)
-        except BaseException as exc:
-            if 0 < sent < len(frame):
-                self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(exc).__name__})")
-            raise
+            frame_writer.write_frame(self.events[rank].sock, frame, READY_TIMEOUT)
+        except frame_writer.Unsent as unsent:
+            if unsent.sent == 0:
+                self.writing = None
+            elif unsent.sent is not None:
+                self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(unsent.cause).__name__})")
+            raise unsent.cause from None
 
     def ask_where(self, ranks: list[int], probe: int, everything: bool = False) -> list[int]:
         """Ask ``ranks``' samplers where they are (their answers come on the same sockets); those asked."""

@@ -128,6 +128,8 @@ class Request:
         set (:meth:`Ranks.send`). An interrupt can land just as a send has
         finished, before it is counted: that rank may have the whole request
         and be running its cell, so it stays to be interrupted and waited for.
+        One that lands before the first byte went (``Ranks.writing``) leaves
+        that rank out, as the ranks not reached yet are: it has nothing to stop.
         """
         self.sent = True
         for rank in self.targets:
@@ -138,6 +140,7 @@ class Request:
         try:
             for rank in self.targets:
                 sending = rank
+                self.ranks.writing = None
                 try:
                     self.ranks.send(rank, self.frame)
                 except OSError as exc:
@@ -149,7 +152,7 @@ class Request:
             sending = None
         finally:
             for rank in self.targets:
-                if rank not in asked and rank not in self.done and rank != sending:
+                if rank not in asked and rank not in self.done and (rank != sending or self.ranks.writing != rank):
                     self.done.add(rank)
                     self.rank_state(rank, "killed")
             self.delivered = len(asked) == len(self.targets)
