@@ -28,8 +28,8 @@ each rank's cell thread, launcher/profiling.py) is measured in the same
 rounds: ``--profile`` (terminal) with it against ``--profile`` without it
 (``XLA_MAGIC_PROFILE_LINES=0`` in the kernel's environment, which the
 ranks follow cell by cell), on the training cell and on a cell of pure
-Python (the sampler's worst case: it takes the GIL from the cell's thread
-at each sample).
+Python (the sampler's worst case: its timer's handler runs in the cell's
+own thread, between two of its bytecodes, at each sample).
 
 Target: ``--profile`` adds nothing measurable beyond the profiler (a ratio
 of 1.00 within noise; the issue's bar: at most 1.1).

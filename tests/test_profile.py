@@ -33,6 +33,13 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     assert session.listeners == listening
     found = profile_trace.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
+    # Each rank process read its own trace and sent the digest with its reply; the files read here tell the same.
+    for one in found:
+        assert one.where.get("digest")
+        files_only = {key: value for key, value in one.where.items() if key != "digest"}
+        here = profile_trace.lane(files_only, profile_trace.compile_labels(record.ranks[one.ranks[0]].xla))
+        assert (here.events, here.ops, here.lines, here.span) == (one.events, one.ops, one.lines, one.span)
+        assert here.lines and any(event.label for event in here.events if event.kind == "compile")
     for one in found:
         where = one.where
         assert not one.problem, one.problem
@@ -218,3 +225,19 @@ def test_a_profiled_cell_shows_its_lines_in_the_order_they_ran(ip, pool, spawn):
         check_lines(one, one.ranks[0])
     assert f"r0 lines (sampled every {found[0].period_ms:g} ms): " in run.stdout
     assert "sampled every" in profile_view.page(record) and ">r1 lines<" in profile_view.page(record)
+    # The ranks' cells ran in their processes' main threads: a timer signal sampled them (no thread of ours
+    # taking the GIL), and once the cell ended it was gone, SIGALRM's handler as before.
+    after = ("import signal, threading\nfrom xla_magic.launcher import profiling\n"
+             "(profiling.profiler().sampler.thread is None, signal.getsignal(signal.SIGALRM) == signal.SIG_DFL,"
+             " signal.getitimer(signal.ITIMER_REAL))")
+    assert spawn("", after).value == [(True, True, (0.0, 0.0))] * 2
+
+
+def test_a_rank_that_uses_sigalrm_itself_keeps_it_and_still_gets_its_lines(ip, pool, spawn):
+    spawn("", "import signal\nrang = []\nsignal.signal(signal.SIGALRM, lambda *_: rang.append(1))")
+    spawn("--profile", LINES, seen=seen)
+    for one in profile_trace.lanes(ip._xla_magic_session.last_profiled):
+        check_lines(one, one.ranks[0])  # sampled by a thread instead
+    told = "from xla_magic.launcher import profiling\n(rang, signal.getsignal(signal.SIGALRM).__name__, " \
+           "profiling.profiler().sampler.thread is not None)"
+    assert spawn("", told).value == [([], "<lambda>", True)] * 2

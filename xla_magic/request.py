@@ -313,7 +313,8 @@ class Request:
             self._take_result(rank, fields)
         elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
             self.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
-            self.on_update(self.record)  # a listener may act on it at once (profile_view.Reader reads the trace)
+            if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_trace.Reader
+                self.on_update(self.record)
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
                 self.rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank

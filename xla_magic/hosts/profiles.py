@@ -98,6 +98,9 @@ def _place(item: SentTrace, index: int, devices: int, folder: str) -> dict[str, 
     where.update(ranks=ranks, host_index=index, on_host=f"{where.get('host', '?')}:{host_folder}",
                  unsent=item["unsent"])
     here = os.path.join(folder, f"h{index}r{ranks[0] if ranks else 'x'}")
+    if isinstance(where.get("digest"), dict):  # the rank's own reading of its trace: its rows are by local rank too
+        where["digest"] = dict(where["digest"], lines={int(rank) + index * devices: spans for rank, spans
+                                                       in where["digest"].get("lines", {}).items()})
     for key in FILES:
         path, data = where.get(key) or "", item["files"].get(key)
         where[key] = ""

@@ -5,8 +5,10 @@ host); each rank process records the cell with
 ``torch_xla.debug.profiler.start_trace``/``stop_trace`` into its own folder
 there (``rank<N>``, N its first rank), where torch_xla writes
 ``plugins/profile/<time>/<host>.xplane.pb`` and ``<host>.trace.json.gz``.
-The rank sends where they are (protocol.PROFILE) with its reply; the kernel
-draws the timeline from the Chrome-trace JSON (profile_view.py).
+The rank reads its Chrome-trace JSON into a digest of the timeline's lane
+(profile_trace.digest: each rank process reads its own, all at once) and
+sends it with where the files are (protocol.PROFILE) with its reply; the
+kernel draws the timeline from that (profile_view.py).
 
 torch_xla's profiler is one per process: rank threads of one process (the
 tpu launch path) share one trace, started by the first to begin and stopped
@@ -109,9 +111,12 @@ class Profiler:
                     xp.stop_trace()
                 except Exception as exc:
                     self.error = f"{type(exc).__name__}: {exc}"
-            return {"ranks": ranks, "host": socket.gethostname(), "pid": os.getpid(), "folder": self.folder,
-                    "trace": _newest(self.folder, TRACE), "xplane": _newest(self.folder, XPLANE),
-                    "lines": lines, "error": self.error}
+            where = {"ranks": ranks, "host": socket.gethostname(), "pid": os.getpid(), "folder": self.folder,
+                     "trace": _newest(self.folder, TRACE), "xplane": _newest(self.folder, XPLANE),
+                     "lines": lines, "error": self.error}
+            if not self.error:
+                where["digest"] = _digest(where)
+            return where
 
     def _write_lines(self) -> str:
         """The sampled lines, beside the trace; their path ("" if none)."""
@@ -129,9 +134,20 @@ class Profiler:
 
 class LineSampler:
     """Every PERIOD_MS while a profiled cell runs, each profiled rank thread's innermost cell line, kept as spans
-    (µs since the epoch). One thread per process, made with the first profiled cell and kept: between
-    profiled cells it sleeps on an event, and costs nothing (starting a thread each cell cost milliseconds
-    of scheduling on a loaded machine)."""
+    (µs since the epoch).
+
+    A rank whose cell runs in its process's main thread (the cpu backend, SPMD)
+    is sampled by a timer signal (ITIMER_REAL), whose handler Python runs in
+    that thread between two bytecodes, with the frame it interrupted. A thread
+    of ours would take the GIL at every sample: the cell's thread, which lets
+    go of it in many of torch's calls, then waits to get it back, and on a
+    busy machine that wait is the scheduler's (measured on this project's
+    2-core machine: a third of 10-step training cells took 3-10 times as
+    long). SA_RESTART is asked for, so the signal restarts the system calls
+    it lands in. Rank threads (the tpu launch path) are sampled by a thread,
+    made with the first profiled cell of a process and kept, asleep between
+    profiled cells; so is a cell whose process already uses SIGALRM.
+    """
 
     def __init__(self) -> None:
         self.origin = 0  # when the ORIGIN annotation began, µs since the epoch
@@ -141,19 +157,69 @@ class LineSampler:
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.thread: threading.Thread | None = None
+        self.timed = False  # sampling by the timer signal, in the main thread
+        self._handler: Any = None  # SIGALRM's handler before ours
 
     def start(self, origin: int, period: float = PERIOD_MS) -> None:
         with self.lock:
             self.origin, self.period, self.threads, self.spans = origin, period, {}, {}
-            self.running.set()
-            if self.thread is None or not self.thread.is_alive():  # a forked child has none
-                self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
-                self.thread.start()
+            if not (_on_main_thread() and self._start_timer()):
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        self.running.set()
+        if self.thread is None or not self.thread.is_alive():  # a forked child has none
+            self.thread = threading.Thread(target=self._run, name="xla_magic cell lines", daemon=True)
+            self.thread.start()
+
+    def _start_timer(self) -> bool:
+        """Sample the main thread by SIGALRM; False where the process uses it already (its own alarm, a timer)."""
+        import signal
+
+        try:
+            if signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, None) or any(
+                    signal.getitimer(signal.ITIMER_REAL)):
+                return False
+            self._handler = signal.signal(signal.SIGALRM, self._on_alarm)
+            signal.siginterrupt(signal.SIGALRM, False)
+            self.timed = True
+            signal.setitimer(signal.ITIMER_REAL, self.period / 1000, self.period / 1000)
+            return True
+        except (ValueError, OSError):
+            self._stop_timer()
+            return False
+
+    def _stop_timer(self) -> None:
+        """No sample once this returns: the flag first (an alarm already raised is let pass), then the timer,
+        then the handler back (no alarm is left to meet it)."""
+        import signal
+
+        if self._handler is None:
+            return
+        self.timed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._handler)
+        self._handler = None
+
+    def _on_alarm(self, _signum: int, frame: types.FrameType | None) -> None:
+        # Runs in the main thread, maybe inside add/remove/stop (which hold the lock): so it takes none. In
+        # this mode only the main thread ever touches the spans.
+        if not self.timed:
+            return
+        try:
+            rank = self.threads.get(threading.main_thread().ident)
+            if rank is not None:
+                self._note(rank, frame, time.time_ns() // 1000)
+        except Exception:  # never lose the cell to a frame we could not read
+            pass
 
     def add(self, rank: int, ident: int) -> None:
         with self.lock:
             self.threads[ident] = rank
             self.spans.setdefault(rank, [])
+            if self.timed and ident != threading.main_thread().ident:  # the timer sees the main thread only
+                self._stop_timer()
+                self._start_thread()
 
     def remove(self, ident: int) -> None:
         """A rank thread's cell ended: its open span ends now."""
@@ -178,15 +244,19 @@ class LineSampler:
             if not self.running.is_set():
                 return
             for ident, rank in self.threads.items():
-                found = cell_line(frames.get(ident))
-                spans = self.spans[rank]
-                last = spans[-1] if spans and spans[-1][3] is None else None
-                if last is not None and found is not None and last[0] == found[0]:
-                    continue
-                if last is not None:
-                    last[3] = now
-                if found is not None:
-                    spans.append([found[0], found[1], now, None])
+                self._note(rank, frames.get(ident), now)
+
+    def _note(self, rank: int, frame: types.FrameType | None, now: int) -> None:
+        """One sample of ``rank``'s thread: a new span where its line changed."""
+        found = cell_line(frame)
+        spans = self.spans[rank]
+        last = spans[-1] if spans and spans[-1][3] is None else None
+        if last is not None and found is not None and last[0] == found[0]:
+            return
+        if last is not None:
+            last[3] = now
+        if found is not None:
+            spans.append([found[0], found[1], now, None])
 
     def _close(self, rank: int, now: int) -> None:
         spans = self.spans.get(rank)
@@ -195,6 +265,7 @@ class LineSampler:
 
     def stop(self) -> dict[str, Any]:
         """Stop sampling (the thread sleeps again); what it saw, as written beside the trace."""
+        self._stop_timer()
         now = time.time_ns() // 1000
         with self.lock:
             self.running.clear()
@@ -202,6 +273,21 @@ class LineSampler:
                 self._close(rank, now)
             return {"period_ms": self.period, "origin": self.origin, "origin_event": ORIGIN,
                     "ranks": {str(rank): spans for rank, spans in self.spans.items()}}
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _digest(where: dict[str, Any]) -> dict[str, Any] | None:
+    """This process's trace, read here, at once, as every rank process reads its own (profile_trace.digest);
+    None if it could not be: the kernel then reads the files itself."""
+    try:
+        from xla_magic import profile_trace
+
+        return profile_trace.digest(where)
+    except Exception:
+        return None
 
 
 def _period() -> float:
