@@ -23,9 +23,9 @@ SMALL_FRAME = 1 << 15  # an idle rank's socket takes this much whole (its buffer
 
 
 class Unsent(Exception):
-    """Part of a frame did not go; ``sent`` bytes of it did (0: none)."""
+    """Part of a frame did not go; ``sent`` bytes of it did (0: none; None: not known, see write_frame)."""
 
-    def __init__(self, sent: int, cause: BaseException) -> None:
+    def __init__(self, sent: int | None, cause: BaseException) -> None:
         super().__init__(f"{sent} bytes sent")
         self.sent = sent
         self.cause = cause
@@ -47,7 +47,7 @@ def write_frame(sock: socket.socket, frame: bytes, timeout: float) -> None:
         except BlockingIOError:
             sent = 0
         except BaseException as exc:
-            raise Unsent(sent, exc) from exc  # type: ignore[arg-type]
+            raise Unsent(sent, exc) from exc
         if sent == len(frame):
             return
         frame, already = frame[sent:], sent
