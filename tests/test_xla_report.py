@@ -151,6 +151,20 @@ def test_ranks_that_compile_different_graphs_are_named(ip, spawn):
     assert "ranks differ: rank 2 compiled 2 graphs with inputs of other sizes, ranks 0-1 2 graphs" in summary
 
 
+def test_what_a_reply_moves_to_the_cpu_counts_in_no_later_cell(ip, pool, spawn):
+    # A rank reads its counters for the next cell once a reply went out (xla_account.settle): a result that is a
+    # pending XLA tensor (compiled, run and copied as the reply is made) and a pull between cells are no cell's.
+    made = spawn("", "import torch, torch_xla\nt = torch.ones(3, device=device) * (rank + 2)\nt")
+    assert [value.tolist() for value in made.value] == [[2.0] * 3, [3.0] * 3]
+    with capture_output():
+        ip.run_line_magic("xla_pool", "pull t")
+    assert [value.tolist() for value in ip.user_ns.pop("t")] == [[2.0] * 3, [3.0] * 3]
+    quiet = spawn("", "a = 1")
+    assert [account(ip, r) for r in (0, 1)] == [None, None] and xla_lines(quiet.stdout) == []
+    spawn("", "u = (t + 1).sum().item()")  # and what a cell does is still its own
+    assert all(account(ip, r)["compiles"] == 1 and account(ip, r)["transfers"] == 1 for r in (0, 1))
+
+
 def test_off_shows_nothing_and_collects_nothing(ip, spawn):
     run = spawn("--devices 2 --backend cpu --xla-report off", RAGGED)
     assert xla_lines(run.stdout) == [] and "What XLA did" not in run.stdout

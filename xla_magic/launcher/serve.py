@@ -211,6 +211,7 @@ class RankServer:
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
         self._xla_frame = b""  # the cell's account of what XLA did (XLA), and its profile (PROFILE), sent with its reply
+        self._accountant: xla_account.Accountant | None = None  # this process's, once a cell asked for an account
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
@@ -311,6 +312,7 @@ class RankServer:
             # never as a reply to this one, which the kernel has closed.
             self._answered = seq
             self.channel.sock.sendall(frames)
+        xla_account.settle()  # the next cell's start read, off its path
 
     def display(self, what: str, data: Any) -> None:
         """Have the kernel display ``data`` (its view for ``what``) in the running cell, after the output so far.
@@ -391,9 +393,10 @@ class RankServer:
             yield
             return
         # Counting must never cost the cell: a fault in it (another torch_xla's API) only loses the account.
-        accountant: xla_account.Accountant | None = None
+        accountant = self._accountant
         try:
-            accountant = xla_account.accountant()
+            if accountant is None:
+                accountant = self._accountant = xla_account.accountant()
             accountant.begin(self.rank, self._filename, fields.get("run_id"))
         except Exception:
             accountant = None
