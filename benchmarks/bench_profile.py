@@ -13,7 +13,12 @@ other round (so drift in the machine's load falls on all alike), as:
 - ``%%xla_spawn --profile`` shown as in a terminal (the text summary);
 - a plain cell that calls ``xp.start_trace``/``xp.stop_trace`` around the
   same steps itself: the profiler alone, the baseline;
-- the plain cell with no profiler, which says what the profiler itself costs.
+- the plain cell with no profiler, which says what the profiler itself costs;
+- the same three (``--profile`` as in a terminal, the profiler alone, no
+  profiler) for a cell of the same steps with 30 times the arithmetic: about
+  as many trace events, so the same reading, in a cell whose device work
+  sets its time, as a TPU training step's does. The small cell is the worst
+  case: a few ms of arithmetic per thousand trace events.
 
 Figures: each kind's median cell, and the median over rounds of each
 round's ratio to the profiler alone (steadier than a ratio of medians on a
@@ -66,6 +71,17 @@ def steps():
         optimizer.step()
         torch_xla.sync()
     return loss.item()
+big = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512)).to(device)
+big_optimizer = torch.optim.SGD(big.parameters(), lr=0.01)
+big_x = torch.randn(128, 512).to(device)
+def big_steps():
+    for step in range(10):
+        big_optimizer.zero_grad()
+        loss = big(big_x).pow(2).mean()
+        loss.backward()
+        big_optimizer.step()
+        torch_xla.sync()
+    return loss.item()
 def python_work():
     total = 0
     for i in range(400_000):
@@ -74,6 +90,10 @@ def python_work():
 """
 PROFILED = "steps()"
 SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps()\nxp.stop_trace()"
+# The same steps' structure (about as many trace events a step) with 30 times the arithmetic: a step whose device
+# work, not its count of events, sets its time, as a TPU training step's does.
+BIG = "big_steps()"
+BIG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nbig_steps()\nxp.stop_trace()"
 PYTHON = "python_work()"
 NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines
 
@@ -127,12 +147,14 @@ def run(shell: Any, kind: str) -> float:
             wall = cell_time(shell, "--profile", PROFILED)
     else:
         wall = cell_time(shell, *{"terminal": ("--profile", PROFILED), "self": ("", SELF_TRACED),
-                                  "plain": ("", PROFILED)}[kind])
+                                  "plain": ("", PROFILED), "big": ("--profile", BIG),
+                                  "big self": ("", BIG_SELF_TRACED), "big plain": ("", BIG)}[kind])
     CPU.setdefault(kind, []).append(time.process_time() - cpu)
     return wall
 
 
-KINDS = ("notebook", "terminal", "self", "plain", "no lines", "python", "python, no lines")
+KINDS = ("notebook", "terminal", "self", "plain", "no lines", "python", "python, no lines", "big", "big self",
+         "big plain")
 
 
 def measure(shell: Any) -> dict[str, list[float]]:
@@ -184,6 +206,10 @@ def main() -> list[Row]:
          ms["self"], ms["plain"], "ms",
          f"baseline: the cell unprofiled: what the profiler itself costs; "
          f"median of the rounds' ratios {ratio(times, 'self', 'plain'):.3f}"),
+        (f"a 10-step cell of 30 times the arithmetic with --profile, as in a terminal (median of {ROUNDS})",
+         ms["big"], ms["big self"], "ms",
+         against + f"median of the rounds' ratios {ratio(times, 'big', 'big self'):.3f}; the profiler alone over "
+         f"the cell unprofiled ({ms['big plain']:.0f} ms): {ratio(times, 'big self', 'big plain'):.3f}"),
         (f"the kernel's own CPU time for a --profile cell shown as in a notebook (median of {ROUNDS})",
          cpu["notebook"], cpu["self"], "ms",
          f"baseline: its CPU time for the cell with the profiler alone; as in a terminal: {cpu['terminal']:.1f} ms; "

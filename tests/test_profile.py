@@ -69,6 +69,9 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
         assert sorted(id(e) for m in its for e in m.events) == sorted(id(e) for e in one.events)
         assert all(e.kind == m.kind for m in its for e in m.events)
         assert len(its) < len(one.events)  # the trace's many tiny device ops, a few marks
+        # the picture's rows, made in one pass, are each row's kinds' marks
+        assert profile_view.rows_of_marks(one, profile_view.scale(found)) == [
+            profile_view.marks(one, profile_view.scale(found), kinds) for _name, kinds in profile_view.ROWS]
     assert page.count("<rect") == sum(len(its) + sum(map(len, one.lines.values())) for one, its in zip(found, drawn))
     assert page.count('class="xla-compile"') == sum(e.kind == "compile" for one in found for e in one.events)
     assert ">rank 0<" in page and ">rank 1<" in page and "xprof --logdir " + record.profile in page

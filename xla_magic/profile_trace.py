@@ -410,13 +410,15 @@ def lanes(record: RunRecord, reader: "Reader | None" = None) -> list[Lane]:
 
 
 class Reader:
-    """The ranks' traces, each read in a thread of its own as soon as its rank says where it is.
+    """The traces that came without their rank's digest, each read in a thread as soon as its rank says where it is.
 
     A session listener while a ``--profile`` cell runs (runner.py): the
-    request tells listeners of each fact a rank sends, so the traces of the
-    ranks that finish first are read while the slowest still runs, and the
-    cell's end waits for the last one or two only. One thread reads them in
-    turn (the JSON parser holds the GIL: more would not go faster).
+    request tells listeners of each fact a rank sends, so a trace that the
+    kernel must read itself (6-7 ms a rank: its rank sent no digest) is
+    read while the slowest rank still runs. One thread reads them in turn
+    (the JSON parser holds the GIL: more would not go faster). A lane with
+    a digest is rebuilt at the cell's end instead (0.1-0.2 ms): a thread
+    for it cost the kernel more than the rebuild itself.
     """
 
     def __init__(self) -> None:
@@ -427,7 +429,7 @@ class Reader:
         """Start reading each trace not yet being read (never raises: it runs as a listener)."""
         try:
             for where in _profiles(record):
-                if id(where) not in self._reading:
+                if id(where) not in self._reading and not where.get("digest"):
                     if self._pool is None:
                         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla_magic-profile")
                     self._reading[id(where)] = self._pool.submit(lane, where, _labels_of(record, where))

@@ -12,6 +12,7 @@ import html
 import os
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ COLORS = {"compile": "#f59e0b", "execute": "#16a34a", "device→host": "#dc2626"
           "collective/wait": "#2563eb", "annotation": "#7c3aed", "device op": "#0d9488", "Python": "#cbd5e1"}
 ROWS = (("host", ("annotation", "compile", "device→host", "host→device", "Python")),
         ("runtime", ("execute", "collective/wait")), ("device", ("device op",)))
+_ROW_OF = {kind: row for row, (_name, kinds) in enumerate(ROWS) for kind in kinds}  # kind -> its row's index
 LINE_COLORS = ("#94a3b8", "#64748b", "#a5b4fc", "#818cf8", "#fdba74", "#fb923c")
 
 
@@ -157,12 +159,10 @@ class Mark:
         first = self.events[0]
         if len(self.events) == 1:
             return f"{first.kind}: {first.label or first.name} — {_ms(first.duration)} at {_ms(first.start)}"
-        names: dict[str, int] = {}
-        for event in self.events:
-            names[event.name] = names.get(event.name, 0) + 1
-        top = ", ".join(f"{name} ×{count}" for name, count in sorted(names.items(), key=lambda item: -item[1])[:3])
+        names = Counter([event.name for event in self.events])
+        top = ", ".join(f"{name} ×{count}" for name, count in names.most_common(3))
         more = ", …" if len(names) > 3 else ""
-        busy = sum(event.duration for event in self.events)
+        busy = sum([event.duration for event in self.events])
         last = self.events[-1]
         return (f"{first.kind}: {len(self.events)} events ({top}{more}) — {_ms(busy)} within "
                 f"{_ms(last.start + last.duration - first.start)} at {_ms(first.start)}")
@@ -177,12 +177,14 @@ def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]
     """
     found: list[Mark] = []
     open_marks: dict[str, Mark] = {}  # the last mark of each kind
+    every_kind = kinds is KINDS
     for event in one.events:
         kind = event.kind
-        if kind not in kinds:
+        if not every_kind and kind not in kinds:
             continue
         left = LEFT + event.start * scale
-        right = left + max(event.duration * scale, THINNEST)
+        width = event.duration * scale
+        right = left + (width if width > THINNEST else THINNEST)
         mark = open_marks.get(kind)
         if mark is not None and left <= mark.right + PIXEL:
             mark.events.append(event)
@@ -192,6 +194,14 @@ def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]
             mark = open_marks[kind] = Mark(kind, left, right, [event])
             found.append(mark)
     return found
+
+
+def rows_of_marks(one: Lane, scale: float) -> list[list[Mark]]:
+    """The lane's marks for each of ROWS, in order of start: one pass over its events (as ``marks`` per row)."""
+    rows: list[list[Mark]] = [[] for _ in ROWS]
+    for mark in marks(one, scale):
+        rows[_ROW_OF[mark.kind]].append(mark)
+    return rows
 
 
 def _end(found: list[Lane]) -> float:
@@ -217,7 +227,7 @@ def svg(found: list[Lane]) -> str:
     y = 16
     for one in found:
         parts.append(f'<text x="2" y="{y + ROW + 3}" fill="#111">{html.escape(_who(one.ranks, one.where))}</text>')
-        rows = [(name, marks(one, per_us, kinds)) for name, kinds in ROWS]
+        rows = list(zip((name for name, _kinds in ROWS), rows_of_marks(one, per_us)))
         rows += [(f"{_tag(rank, one.where)} lines", [_line_mark(event, per_us) for event in sampled])
                  for rank, sampled in sorted(one.lines.items())]
         for row, (name, drawn) in enumerate(rows):
