@@ -18,7 +18,9 @@ other round (so drift in the machine's load falls on all alike), as:
   profiler) for a cell of the same steps with 30 times the arithmetic: about
   as many trace events, so the same reading, in a cell whose device work
   sets its time, as a TPU training step's does. The small cell is the worst
-  case: a few ms of arithmetic per thousand trace events.
+  case: a few ms of arithmetic per thousand trace events;
+- ``--profile`` (as in a notebook) and the profiler alone for a cell of ten
+  times the steps: ten times the trace, which the kernel rebuilds and draws.
 
 Figures: each kind's median cell, and the median over rounds of each
 round's ratio to the profiler alone (steadier than a ratio of medians on a
@@ -63,8 +65,8 @@ model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(32, 64).to(device)
 y = torch.randint(0, 10, (32,)).to(device)
-def steps():
-    for step in range(10):
+def steps(count=10):
+    for step in range(count):
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -93,6 +95,9 @@ SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps()\nxp.stop_trace()"
 # The same steps' structure (about as many trace events a step) with 30 times the arithmetic: a step whose device
 # work, not its count of events, sets its time, as a TPU training step's does.
 BIG = "big_steps()"
+# Ten times the steps: ten times the trace (about 38,000 events over 4 ranks), which the kernel rebuilds and draws.
+LONG = "steps(100)"
+LONG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps(100)\nxp.stop_trace()"
 BIG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nbig_steps()\nxp.stop_trace()"
 PYTHON = "python_work()"
 NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines
@@ -142,19 +147,20 @@ def run(shell: Any, kind: str) -> float:
             wall = cell_time(shell, "--profile", PROFILED if kind == "no lines" else PYTHON)
     elif kind == "python":
         wall = cell_time(shell, "--profile", PYTHON)
-    elif kind == "notebook":
+    elif kind in ("notebook", "long"):
         with as_in_a_notebook():
-            wall = cell_time(shell, "--profile", PROFILED)
+            wall = cell_time(shell, "--profile", PROFILED if kind == "notebook" else LONG)
     else:
         wall = cell_time(shell, *{"terminal": ("--profile", PROFILED), "self": ("", SELF_TRACED),
                                   "plain": ("", PROFILED), "big": ("--profile", BIG),
-                                  "big self": ("", BIG_SELF_TRACED), "big plain": ("", BIG)}[kind])
+                                  "big self": ("", BIG_SELF_TRACED), "big plain": ("", BIG),
+                                  "long self": ("", LONG_SELF_TRACED)}[kind])
     CPU.setdefault(kind, []).append(time.process_time() - cpu)
     return wall
 
 
 KINDS = ("notebook", "terminal", "self", "plain", "no lines", "python", "python, no lines", "big", "big self",
-         "big plain")
+         "big plain", "long", "long self")
 
 
 def measure(shell: Any) -> dict[str, list[float]]:
@@ -210,6 +216,10 @@ def main() -> list[Row]:
          ms["big"], ms["big self"], "ms",
          against + f"median of the rounds' ratios {ratio(times, 'big', 'big self'):.3f}; the profiler alone over "
          f"the cell unprofiled ({ms['big plain']:.0f} ms): {ratio(times, 'big self', 'big plain'):.3f}"),
+        (f"a 100-step training cell with --profile, shown as in a notebook (median of {ROUNDS})",
+         ms["long"], ms["long self"], "ms",
+         against + f"median of the rounds' ratios {ratio(times, 'long', 'long self'):.3f}; the kernel's CPU time "
+         f"for it: {cpu['long']:.1f} ms (with the profiler alone: {cpu['long self']:.1f} ms)"),
         (f"the kernel's own CPU time for a --profile cell shown as in a notebook (median of {ROUNDS})",
          cpu["notebook"], cpu["self"], "ms",
          f"baseline: its CPU time for the cell with the profiler alone; as in a terminal: {cpu['terminal']:.1f} ms; "
