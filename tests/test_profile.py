@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 
@@ -28,6 +29,7 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     record = session.last_profiled
     assert record is session.last_cell and os.path.isdir(record.profile)
     assert "Profile of run" in run.stdout and "Top device ops" in run.stdout
+    assert gc.isenabled()  # paused while the lanes were drawn, and on again
     # What was shown, the traces read while the cell ran, is what reading them now tells; the reader left no listener.
     assert profile_view.text(record) in run.stdout
     assert session.listeners == listening
@@ -89,8 +91,13 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     with capture_output() as shown:
         ip.run_line_magic("xla_status", "--text")
     assert re.search(rf"\n\s+{record.run_id}\s.*\[profiled: %xla_profile\]", shown.stdout), shown.stdout
-    with capture_output() as shown:
-        ip.run_line_magic("xla_profile", "")
+    gc.disable()  # a user who turned the collector off keeps it off
+    try:
+        with capture_output() as shown:
+            ip.run_line_magic("xla_profile", "")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
     assert f"Profile of run {record.run_id} (2 traces)" in shown.stdout
 
 
