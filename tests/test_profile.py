@@ -40,7 +40,8 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
         assert one.where.get("digest")
         files_only = {key: value for key, value in one.where.items() if key != "digest"}
         here = profile_trace.lane(files_only, profile_trace.compile_labels(record.ranks[one.ranks[0]].xla))
-        assert (here.events, here.ops, here.lines, here.span) == (one.events, one.ops, one.lines, one.span)
+        assert (here.events, here.runs, here.ops, here.lines, here.span) == (
+            one.events, one.runs, one.ops, one.lines, one.span)
         assert here.lines and any(event.label for event in here.events if event.kind == "compile")
     for one in found:
         where = one.where
@@ -62,15 +63,29 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
         assert starts == sorted(starts)
         assert [e.kind for e in one.events if e.kind in ("annotation", "compile")] == ["annotation", "compile"] * 3
         assert any(e.kind == "device→host" for e in one.events)  # y.item()
-        assert sum(len(d) for d in one.ops.values()) > 0
+        # Every event of the files is in one of the lane's runs, of its kind; the device ops' table counts them all.
+        every = profile_trace.every_event(where)
+        counted: dict[str, int] = {}
+        for run in one.runs:
+            counted[run.kind] = counted.get(run.kind, 0) + run.count
+        assert counted == {kind: sum(e.kind == kind for e in every) for kind in {e.kind for e in every}}
+        assert sum(count for count, _total in one.ops.values()) == counted["device op"] > 0
+        assert len(one.runs) < len(every)  # the trace's tiny device ops and waits, fewer runs
     page = profile_view.page(record)
-    # Each event is in one mark, of its kind; events that touch at the widest zoom share one (one rect each);
-    # each sampled line is a rect of its own.
+    # Each run (so each event) is in one mark, of its kind; runs that touch at the widest zoom share one (one
+    # rect each), and the marks drawn from the runs are those drawn from every event; each sampled line is a
+    # rect of its own.
     drawn = [profile_view.marks(one, profile_view.scale(found)) for one in found]
     for one, its in zip(found, drawn):
-        assert sorted(id(e) for m in its for e in m.events) == sorted(id(e) for e in one.events)
-        assert all(e.kind == m.kind for m in its for e in m.events)
-        assert len(its) < len(one.events)  # the trace's many tiny device ops, a few marks
+        assert sorted(id(r) for m in its for r in m.runs) == sorted(id(r) for r in one.runs)
+        assert all(r.kind == m.kind for m in its for r in m.runs)
+        assert len(its) <= len(one.runs)
+        scale = profile_view.scale(found)
+        alone = [profile_trace.Run(e.kind, e.start, e.start, e.start + e.duration, e.start + e.duration, 1,
+                                   e.duration, {e.name: 1}, e) for e in profile_trace.every_event(one.where)]
+        by_event = profile_view.marks(profile_trace.Lane(one.ranks, one.where, runs=alone, span=one.span), scale)
+        assert [(m.kind, m.left, round(m.right, 6), m.count) for m in its] == [
+            (m.kind, m.left, round(m.right, 6), m.count) for m in by_event]
         # the picture's rows, made in one pass, are each row's kinds' marks
         assert profile_view.rows_of_marks(one, profile_view.scale(found)) == [
             profile_view.marks(one, profile_view.scale(found), kinds) for _name, kinds in profile_view.ROWS]

@@ -4,11 +4,12 @@ Each rank process records the cell with torch_xla's profiler
 (launcher/profiling.py); torch_xla writes a Chrome-trace JSON
 (``trace.json.gz``) beside its ``xplane.pb``. This module reads the JSON
 and sorts its complete events (``"ph": "X"``) into kinds, thread by
-thread; profile_view.py draws them. The rank process reads its own trace
-(:func:`digest`, sent with its reply) and the kernel rebuilds the lane from
-that; it reads the files itself only where no digest came. A ``Reader``
-takes each rank's lane as soon as the rank says where it is, while the
-others still run.
+thread, then groups each kind's events that touch at the timeline's widest
+zoom into runs (:class:`Run`); profile_view.py draws the runs. The rank
+process reads its own trace (:func:`digest`, sent with its reply) and the
+kernel rebuilds the lane from that; it reads the files itself only where
+no digest came (a ``Reader`` then reads each as soon as its rank says
+where it is, while the others still run).
 
 Kinds, by torch_xla's own event names:
 
@@ -56,7 +57,17 @@ HOST_STEPS = {"StepMarker", "SyncLiveTensorsGraph", "SyncTensorsGraph", "SyncTen
 NOT_OPS = re.compile(r"^end: |ThreadpoolListener|ThunkExecutor|^Wait for|TaskDispatcher|::")
 _SYNC_STEPS = ("StepMarker", "XLAGraphExecutor::Compile")  # the first of them names the cell's thread
 OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sampled lines' clock)
-DIGEST_VERSION = 1  # of what digest() sends
+DIGEST_VERSION = 2  # of what digest() sends
+# Kinds whose events a lane keeps one by one (the text lists compiles; they are few): the others only as runs.
+KEPT = ("compile", "execute", "device→host", "host→device", "annotation")
+# The timeline's geometry (profile_view.py draws it; a lane groups its events into runs by it).
+WIDTH = 1000  # viewBox units across
+LEFT = 70  # where time starts (the rows' names are left of it)
+PLOT = WIDTH - LEFT - 10  # the units time spans: the longest lane fills it
+THINNEST = 0.3  # the narrowest mark drawn, in viewBox units
+# A unit is about a pixel at 1× (the notebook's width); at the widest zoom (16×) a sixteenth of one is a pixel:
+# marks of one kind closer than that are one mark, as the eye sees them there.
+PIXEL = 1 / 16
 
 
 @dataclass(slots=True)
@@ -68,14 +79,42 @@ class Event:
     label: str = ""
 
 
+@dataclass(slots=True)
+class Run:
+    """A lane's events of one kind that touch at the widest zoom of the lane's own timeline, in time order.
+
+    What the picture draws as one mark, or as part of one (a lane shorter
+    than the longest is drawn at a coarser scale, where runs can join):
+    made where the trace is read, so that the kernel handles a few hundred
+    runs a lane instead of every event (a 100-step cell's trace has about
+    10,000 a rank).
+    """
+
+    kind: str
+    start: float  # the first event's start, µs
+    last_start: float  # the last event's start
+    end: float  # the latest end of any of its events
+    last_end: float  # the last event's end
+    count: int
+    busy: float  # its events' durations added up, µs
+    names: dict[str, int]  # how many of its events bear each name
+    first: Event  # its first event (a run of one is that event)
+
+    def right(self, per_us: float) -> float:
+        """Where the run's mark ends on a timeline of ``per_us`` units per µs, LEFT where time starts (each of
+        its events drawn at least THINNEST wide, the last one starting last)."""
+        return LEFT + max(self.end * per_us, self.last_start * per_us + THINNEST)
+
+
 @dataclass
 class Lane:
-    """One rank process's trace: its events by kind, and its files."""
+    """One rank process's trace: its events as runs by kind (the named kinds also one by one), and its files."""
 
     ranks: list[int]
     where: dict[str, Any]
-    events: list[Event] = field(default_factory=list)
-    ops: dict[str, list[float]] = field(default_factory=dict)  # device op name -> durations (µs)
+    events: list[Event] = field(default_factory=list)  # the KEPT kinds' events, in time order
+    runs: list[Run] = field(default_factory=list)  # every kind's events, as runs, in order of their start
+    ops: dict[str, list[float]] = field(default_factory=dict)  # device op name -> [how many, µs in all]
     span: float = 0.0  # µs from its first event to its last one's end
     problem: str = ""
     lines: dict[int, list[Event]] = field(default_factory=dict)  # rank -> its cell's lines, as sampled
@@ -83,11 +122,11 @@ class Lane:
     _totals: dict[str, float] | None = field(default=None, repr=False, compare=False)
 
     def time_by_kind(self) -> dict[str, float]:
-        """µs by kind (summed once: the tables ask again and again; the events are not changed after reading)."""
+        """µs by kind (summed once: the tables ask again and again; the runs are not changed after reading)."""
         if self._totals is None:
             totals = dict.fromkeys(KINDS, 0.0)
-            for event in self.events:
-                totals[event.kind] += event.duration
+            for run in self.runs:
+                totals[run.kind] += run.busy
             self._totals = totals
         return dict(self._totals)
 
@@ -123,28 +162,74 @@ def digest(where: dict[str, Any]) -> dict[str, Any]:
     """The lane of a trace this process wrote, as plain data for its PROFILE fact, where the trace was read.
 
     Each rank process reads its own trace as soon as torch_xla has written
-    it, all at once on their cores; the kernel only rebuilds the lane
-    (a rank's 2,600-event trace took 6-7 ms to read and sort, its digest
-    0.3 ms to rebuild). Compiles keep their graph hash, which the kernel
-    turns into the XLA report's name for them.
+    it, all at once on their cores, and sends its runs (a 1,000-event lane
+    is about 70) and its named events; the kernel only rebuilds the lane.
+    Compiles keep their graph hash, which the kernel turns into the XLA
+    report's name for them.
     """
     found = _read(Lane(sorted(where.get("ranks", ())), where), where, None)
     return {"version": DIGEST_VERSION, "problem": found.problem, "span": found.span, "period_ms": found.period_ms,
-            "events": [(e.kind, e.name, e.start, e.duration, e.label) for e in found.events],
+            "events": [_plain(e) for e in found.events],
+            "runs": [(r.kind, r.start, r.last_start, r.end, r.last_end, r.count, r.busy, r.names, _plain(r.first))
+                     for r in found.runs],
             "ops": found.ops,
             "lines": {rank: [(e.name, e.start, e.duration, e.label) for e in spans]
                       for rank, spans in found.lines.items()}}
+
+
+def _plain(e: Event) -> tuple[str, str, float, float, str]:
+    return e.kind, e.name, e.start, e.duration, e.label
 
 
 def _from_digest(found: Lane, sent: dict[str, Any], labels: dict[str, str]) -> Lane:
     if sent["version"] != DIGEST_VERSION:
         raise ValueError("another digest version")
     found.problem, found.span, found.period_ms, found.ops = sent["problem"], sent["span"], sent["period_ms"], sent["ops"]
-    found.events = [Event(kind, name, start, duration, labels.get(label, "") if kind == "compile" else label)
-                    for kind, name, start, duration, label in sent["events"]]
+
+    def event(kind: str, name: str, start: float, duration: float, label: str) -> Event:
+        return Event(kind, name, start, duration, labels.get(label, "") if kind == "compile" else label)
+
+    found.events = [event(*sent_event) for sent_event in sent["events"]]
+    found.runs = [Run(kind, start, last_start, end, last_end, count, busy, names, event(*first))
+                  for kind, start, last_start, end, last_end, count, busy, names, first in sent["runs"]]
     found.lines = {int(rank): [Event("line", name, start, duration, text) for name, start, duration, text in spans]
                    for rank, spans in sent["lines"].items()}
     return found
+
+
+def every_event(where: dict[str, Any], labels: dict[str, str] | None = None) -> list[Event]:
+    """Every event of a rank process's trace files, sorted into kinds, in time order (for tests and tools: a
+    lane keeps them as runs)."""
+    found = Lane(sorted(where.get("ranks", ())), where)
+    if where.get("trace"):
+        _fill(found, read_trace(where["trace"]).get("traceEvents", []), labels)
+    return found.events
+
+
+def _runs(events: list[Event], span: float) -> list[Run]:
+    """``events`` (in time order) as runs: each joins its kind's last run when it starts within a pixel of the
+    widest zoom of that run's end, as profile_view.marks joins marks, at this lane's own scale (the finest it
+    is drawn at: the longest lane sets the scale), so that the picture drawn from runs is the one drawn from
+    every event."""
+    per_us = PLOT / span if span > 0 else 0.0
+    pixel, thinnest = (PIXEL / per_us, THINNEST / per_us) if per_us else (0.0, 0.0)
+    runs: list[Run] = []
+    open_runs: dict[str, Run] = {}  # the last run of each kind
+    for event in events:
+        start, duration = event.start, event.duration
+        end = start + duration
+        run = open_runs.get(event.kind)
+        if run is not None and start <= max(run.end, run.last_start + thinnest) + pixel:
+            run.last_start, run.last_end = start, end
+            if end > run.end:
+                run.end = end
+            run.count += 1
+            run.busy += duration
+            run.names[event.name] = run.names.get(event.name, 0) + 1
+        else:
+            run = open_runs[event.kind] = Run(event.kind, start, start, end, end, 1, duration, {event.name: 1}, event)
+            runs.append(run)
+    return runs
 
 
 def _read(found: Lane, where: dict[str, Any], labels: dict[str, str] | None) -> Lane:
@@ -160,6 +245,8 @@ def _read(found: Lane, where: dict[str, Any], labels: dict[str, str] | None) -> 
     filled = _fill(found, trace.get("traceEvents", []), labels)
     if where.get("lines") and filled is not None:
         _lines(found, *filled, where["lines"])
+    found.runs = _runs(found.events, found.span)
+    found.events = [event for event in found.events if event.kind in KEPT]
     return found
 
 
@@ -294,10 +381,12 @@ def _device_events(found: Lane, there: list[dict[str, Any]], origin: float, labe
                 continue
         if op:
             start, duration = e["ts"] - origin, float(e.get("dur", 0))
-            durations = ops.get(name)
-            if durations is None:
-                durations = ops[name] = []
-            durations.append(duration)
+            tally = ops.get(name)
+            if tally is None:
+                ops[name] = [1, duration]
+            else:
+                tally[0] += 1
+                tally[1] += duration
             events.append(Event("device op", name, start, duration))
     if rest:
         _other_events(found, rest, origin, labels, known)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from xla_magic.display import in_notebook
-from xla_magic.profile_trace import KINDS, Event, Lane, Reader, lanes
+from xla_magic.profile_trace import KINDS, LEFT, PIXEL, PLOT, WIDTH, Event, Lane, Reader, Run, lanes
 from xla_magic.record import RunRecord
 
 TOP_OPS = 8
@@ -54,10 +54,12 @@ def op_rows(found: list[Lane]) -> list[list[str]]:
     """The device ops that took the most time, all ranks together."""
     totals: dict[str, list[float]] = {}
     for one in found:
-        for name, durations in one.ops.items():
-            totals.setdefault(name, []).extend(durations)
-    ranked = sorted(totals.items(), key=lambda item: -sum(item[1]))[:TOP_OPS]
-    return [[name, str(len(durations)), _ms(sum(durations))] for name, durations in ranked]
+        for name, (count, total) in one.ops.items():
+            tally = totals.setdefault(name, [0, 0.0])
+            tally[0] += count
+            tally[1] += total
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:TOP_OPS]
+    return [[name, str(count), _ms(total)] for name, (count, total) in ranked]
 
 
 def slowest(found: list[Lane]) -> str:
@@ -137,63 +139,65 @@ def text(record: RunRecord, found: list[Lane] | None = None) -> str:
 
 # --- the picture ---------------------------------------------------------------------
 
-WIDTH = 1000  # viewBox units across
 ROW = 12
 LANE_GAP = 8
-LEFT = 70
-THINNEST = 0.3  # the narrowest mark drawn, in viewBox units
-# A unit is about a pixel at 1× (the notebook's width); at the widest zoom (16×) a sixteenth of one is a pixel:
-# marks of one kind closer than that are one mark, as the eye sees them there.
-PIXEL = 1 / 16
 _CSS = {kind: "xla-" + re.sub(r"[^a-z]+", "-", kind.lower()).strip("-") for kind in KINDS + ("line",)}
 
 
 @dataclass(slots=True)
 class Mark:
-    """What one rect draws: a lane's events of one kind in one row that touch at the widest zoom."""
+    """What one rect draws: a lane's events of one kind in one row that touch at the widest zoom (its runs)."""
 
     kind: str
     left: float  # viewBox units
     right: float
-    events: list[Event]
+    runs: list[Run]
+
+    @property
+    def count(self) -> int:
+        return sum(run.count for run in self.runs)
 
     def tip(self) -> str:
-        first = self.events[0]
-        if len(self.events) == 1:
+        first = self.runs[0].first
+        count = self.count
+        if count == 1:
             return f"{first.kind}: {first.label or first.name} — {_ms(first.duration)} at {_ms(first.start)}"
-        names = Counter([event.name for event in self.events])
-        top = ", ".join(f"{name} ×{count}" for name, count in names.most_common(3))
+        names: Counter[str] = Counter()
+        for run in self.runs:
+            names.update(run.names)
+        top = ", ".join(f"{name} ×{times}" for name, times in names.most_common(3))
         more = ", …" if len(names) > 3 else ""
-        busy = sum([event.duration for event in self.events])
-        last = self.events[-1]
-        return (f"{first.kind}: {len(self.events)} events ({top}{more}) — {_ms(busy)} within "
-                f"{_ms(last.start + last.duration - first.start)} at {_ms(first.start)}")
+        busy = sum(run.busy for run in self.runs)
+        return (f"{first.kind}: {count} events ({top}{more}) — {_ms(busy)} within "
+                f"{_ms(self.runs[-1].last_end - first.start)} at {_ms(first.start)}")
 
 
 def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]:
-    """The lane's events of ``kinds`` as the marks drawn at ``scale`` (viewBox units per µs), in order of start.
+    """The lane's runs of ``kinds`` as the marks drawn at ``scale`` (viewBox units per µs), in order of start.
 
-    Every event is in exactly one mark, so the picture and the tables tell
-    the same counts; a trace's thousands of sub-microsecond ops become a
-    few hundred rects, which the notebook draws and zooms without effort.
+    Every run, and so every event, is in exactly one mark, so the picture
+    and the tables tell the same counts; a trace's thousands of
+    sub-microsecond ops become a few dozen rects, which the notebook draws
+    and zooms without effort. A lane's runs were made at its own scale, the
+    finest it is drawn at (profile_trace.Run): here they join as its events
+    would.
     """
     found: list[Mark] = []
     open_marks: dict[str, Mark] = {}  # the last mark of each kind
     every_kind = kinds is KINDS
-    for event in one.events:
-        kind = event.kind
+    for run in one.runs:
+        kind = run.kind
         if not every_kind and kind not in kinds:
             continue
-        left = LEFT + event.start * scale
-        width = event.duration * scale
-        right = left + (width if width > THINNEST else THINNEST)
+        left = LEFT + run.start * scale
+        right = run.right(scale)
         mark = open_marks.get(kind)
         if mark is not None and left <= mark.right + PIXEL:
-            mark.events.append(event)
+            mark.runs.append(run)
             if right > mark.right:
                 mark.right = right
         else:
-            mark = open_marks[kind] = Mark(kind, left, right, [event])
+            mark = open_marks[kind] = Mark(kind, left, right, [run])
             found.append(mark)
     return found
 
@@ -212,7 +216,7 @@ def _end(found: list[Lane]) -> float:
 
 def scale(found: list[Lane]) -> float:
     """The timeline's viewBox units per µs: the longest lane fills it."""
-    return (WIDTH - LEFT - 10) / _end(found)
+    return PLOT / _end(found)
 
 
 def svg(found: list[Lane]) -> str:
@@ -223,7 +227,7 @@ def svg(found: list[Lane]) -> str:
     parts = [f'<svg class="xla-timeline" viewBox="0 0 {WIDTH} {height}" preserveAspectRatio="none" '
              f'xmlns="http://www.w3.org/2000/svg" font-size="9" font-family="sans-serif">']
     for tick in range(6):
-        x = LEFT + tick * (WIDTH - LEFT - 10) / 5
+        x = LEFT + tick * PLOT / 5
         parts.append(f'<line x1="{x:.1f}" y1="12" x2="{x:.1f}" y2="{height}" stroke="#e5e7eb"/>'
                      f'<text x="{x:.1f}" y="9" text-anchor="middle" fill="#666">{_ms(end * tick / 5)}</text>')
     y = 16
@@ -237,7 +241,7 @@ def svg(found: list[Lane]) -> str:
             parts.append(f'<text x="{LEFT - 4}" y="{top + 9}" text-anchor="end" fill="#999" font-size="7">{name}</text>')
             for mark in drawn[:MARKS_KEPT]:
                 if mark.kind == "line":
-                    event = mark.events[0]
+                    event = mark.runs[0].first
                     tip = (f"{event.name}: {event.label} — {_ms(event.duration)} at {_ms(event.start)} "
                            f"(sampled every {one.period_ms:g} ms)")
                     color = LINE_COLORS[int(event.name.split()[-1]) % len(LINE_COLORS)]
@@ -253,8 +257,9 @@ def svg(found: list[Lane]) -> str:
 
 def _line_mark(event: Event, per_us: float) -> Mark:
     """A sampled line is a mark of its own (each line its colour)."""
-    left = LEFT + event.start * per_us
-    return Mark("line", left, left + max(event.duration * per_us, THINNEST), [event])
+    end = event.start + event.duration
+    run = Run("line", event.start, event.start, end, end, 1, event.duration, {event.name: 1}, event)
+    return Mark("line", LEFT + event.start * per_us, run.right(per_us), [run])
 
 
 def line_note(found: list[Lane]) -> str:
