@@ -291,6 +291,16 @@ def test_every_module_is_in_the_layout_table():
         assert f"| `{name}` |" in text, f"docs/development.md's layout table does not describe {name}"
 
 
+def test_the_readme_s_recompilation_example_shows_what_it_prints(spawn):
+    cells = re.findall(r"```python\n(%%xla_spawn[^\n]*)\n(.*?)```\n```text\n(.*?)```", readme(), re.DOTALL)
+    line, body, shown = next(cell for cell in cells if "recompiled" in cell[2])
+    run = spawn(line[len("%%xla_spawn") :], body)
+    said = [printed for printed in run.stdout.splitlines() if printed.startswith("XLA:")]
+    # the same line but for the compile time, which is this machine's
+    assert [re.sub(r"\(\S+ m?s\)", "(…)", printed) for printed in said] == [
+        re.sub(r"\(\S+ m?s\)", "(…)", printed) for printed in shown.strip().splitlines()], run.stdout
+
+
 def test_the_first_example_shows_what_it_prints(spawn):
     text = readme()
     cell = re.search(r"```python\n(%%xla_spawn[^\n]*)\n(.*?)```\n```text\n(.*?)```", text, re.DOTALL)
