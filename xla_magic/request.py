@@ -136,10 +136,8 @@ class Request:
             self.record.ranks[rank].state = "running"
         self.on_update(self.record)
         asked: set[int] = set()
-        sending: int | None = None
         try:
             for rank in self.targets:
-                sending = rank
                 self.ranks.writing = None
                 try:
                     self.ranks.send(rank, self.frame)
@@ -149,10 +147,10 @@ class Request:
                     self.done.add(rank)
                     continue
                 asked.add(rank)
-            sending = None
         finally:
+            # ``writing`` names at most the rank being sent to: a rank neither asked nor written to got nothing.
             for rank in self.targets:
-                if rank not in asked and rank not in self.done and (rank != sending or self.ranks.writing != rank):
+                if rank not in asked and rank not in self.done and self.ranks.writing != rank:
                     self.done.add(rank)
                     self.rank_state(rank, "killed")
             self.delivered = len(asked) == len(self.targets)
