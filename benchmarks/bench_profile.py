@@ -38,8 +38,11 @@ ranks follow cell by cell), on the training cell and on a cell of pure
 Python (the sampler's worst case: its timer's handler runs in the cell's
 own thread, between two of its bytecodes, at each sample).
 
-Target: ``--profile`` adds nothing measurable beyond the profiler (a ratio
-of 1.00 within noise; the issue's bar: at most 1.1).
+Targets, as the issue words it, "on, it adds no more than the profiler
+itself does": what ``--profile`` adds beyond the profiler alone, at most
+what the profiler itself adds to the cell unprofiled (the rows "what
+--profile adds"); and, read more strictly, ``--profile`` at most 1.1 times
+the profiler alone.
 """
 
 from __future__ import annotations
@@ -212,6 +215,13 @@ def main() -> list[Row]:
          ms["self"], ms["plain"], "ms",
          f"baseline: the cell unprofiled: what the profiler itself costs; "
          f"median of the rounds' ratios {ratio(times, 'self', 'plain'):.3f}"),
+        (f"what --profile (as in a terminal) adds beyond the profiler alone, 10-step cell (medians of {ROUNDS})",
+         ms["terminal"] - ms["self"], ms["self"] - ms["plain"], "ms",
+         "baseline: what the profiler itself adds to the cell unprofiled; the issue asks that --profile add no "
+         "more than the profiler itself does: at most 1x here"),
+        (f"the same, for the cell of 30 times the arithmetic (medians of {ROUNDS})",
+         ms["big"] - ms["big self"], ms["big self"] - ms["big plain"], "ms",
+         "baseline: what the profiler itself adds to that cell unprofiled"),
         (f"a 10-step cell of 30 times the arithmetic with --profile, as in a terminal (median of {ROUNDS})",
          ms["big"], ms["big self"], "ms",
          against + f"median of the rounds' ratios {ratio(times, 'big', 'big self'):.3f}; the profiler alone over "
