@@ -29,7 +29,7 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     record = session.last_profiled
     assert record is session.last_cell and os.path.isdir(record.profile)
     assert "Profile of run" in run.stdout and "Top device ops" in run.stdout
-    assert gc.isenabled()  # paused while the lanes were drawn, and on again
+    assert gc.isenabled()  # drawing a profile leaves Python's cycle collector as it was
     # What was shown, the traces read while the cell ran, is what reading them now tells; the reader left no listener.
     assert profile_view.text(record) in run.stdout
     assert session.listeners == listening

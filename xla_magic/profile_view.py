@@ -8,15 +8,13 @@ top device ops and the slowest rank against the others.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import html
 import os
 import re
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from xla_magic.display import in_notebook
 from xla_magic.profile_trace import KINDS, LEFT, PIXEL, PLOT, WIDTH, Event, Lane, Reader, Run, lanes
@@ -184,10 +182,9 @@ def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]
     """
     found: list[Mark] = []
     open_marks: dict[str, Mark] = {}  # the last mark of each kind
-    every_kind = kinds is KINDS
     for run in one.runs:
         kind = run.kind
-        if not every_kind and kind not in kinds:
+        if kind not in kinds:
             continue
         left = LEFT + run.start * scale
         right = run.right(scale)
@@ -203,7 +200,7 @@ def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]
 
 
 def rows_of_marks(one: Lane, scale: float) -> list[list[Mark]]:
-    """The lane's marks for each of ROWS, in order of start: one pass over its events (as ``marks`` per row)."""
+    """The lane's marks for each of ROWS, in order of start: one pass over its runs (as ``marks`` per row)."""
     rows: list[list[Mark]] = [[] for _ in ROWS]
     for mark in marks(one, scale):
         rows[_ROW_OF[mark.kind]].append(mark)
@@ -345,33 +342,12 @@ class Profile:
 def show(record: RunRecord, text: bool = False, reader: Reader | None = None) -> None:
     from IPython import get_ipython
 
-    with collector_paused():
-        if text or not in_notebook(get_ipython()):
-            print(repr(Profile(record, reader)), flush=True)
-        else:
-            from IPython.display import display
+    if text or not in_notebook(get_ipython()):
+        print(repr(Profile(record, reader)), flush=True)
+    else:
+        from IPython.display import display
 
-            display(Profile(record, reader))
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cycle collector off while the lanes are rebuilt and drawn.
-
-    Their tens of thousands of small objects, none in a cycle, all live
-    until the picture is made, so each collection the allocations set off
-    walked them and the kernel's whole heap again: a 4-rank, 100-step
-    profile (38,000 events) cost the kernel 91 ms of CPU with it running
-    and 25 ms without as text, 128 and 48 ms as a notebook's picture
-    (7 cells of each, alternating in one run).
-    """
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
+        display(Profile(record, reader))
 
 
 def after_cell(record: RunRecord, reader: Reader | None = None) -> None:
