@@ -95,6 +95,22 @@ def test_a_new_pool_in_a_new_kernel_reads_the_same_directories(ip, tmp_path):
     assert cache_files(root).keys() == written.keys()
 
 
+def test_the_spmd_process_and_the_tpu_path_s_rank_threads_open_one_directory_each_process(spawn, tmp_path,
+                                                                                         monkeypatch):
+    spmd = spawn(f"--spmd --devices 2 --compile-cache {tmp_path / 'spmd'}", "import torch\n"
+                 "(torch.ones(4, device=device) * 3).sum().item()")
+    assert spmd.value == 12.0 and "compile cache" not in spmd.stdout, spmd.stdout
+    assert "Failed to deserialize" not in spmd.stderr, spmd.stderr  # (XLA's own GSPMD notice stays)
+    assert [path.rpartition(os.sep)[2] for path in cache_files(tmp_path / "spmd")] == ["spmd-2"]
+    # The tpu launch path on CPU: two rank threads of one process share its cache, opened once, before either compiles.
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    threads = spawn(f"--devices 2 --backend tpu --compile-cache {tmp_path / 'threads'}", CELL)
+    assert threads.value == [12.0, 16.0] and threads.stderr == "", threads.stderr
+    found = cache_files(tmp_path / "threads")
+    assert [path.rpartition(os.sep)[2] for path in found] == ["process-0-of-1-world-2"], found
+    assert len(next(iter(found.values()))) == 2  # each thread's graph (x * rank differs)
+
+
 @pytest.fixture
 def mounted(tmp_path):
     """``mount(options)``: a fresh tmpfs mounted with ``options`` (root only), unmounted after the test."""

@@ -365,7 +365,7 @@ def _tpu_rank(
         rank = xr.global_ordinal() if world else index
         # Rank threads share their process's cache: the first to get here opens it for them all.
         compile_cache.start(f"process-{xr.process_index()}-of-{xr.process_count()}-world-{world_size}"
-                            if os.getpid() == _supervisor_pid else f"rank-{rank}-of-{world_size}")
+                            if xr.addressable_runtime_device_count() > 1 else f"rank-{rank}-of-{world_size}")
         strategy = strategy_module.RankStrategy(
             rank, world_size, device, simulated=False, local_rank=xr.local_ordinal()
         )

@@ -105,8 +105,17 @@ def build_key() -> str:
 
 def _device_kind() -> str:
     import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
 
-    return str(xm.xla_device_kind())
+    try:
+        return str(xm.xla_device_kind())
+    except RuntimeError:  # an SPMD process's device is virtual, with no kind of its own: its chips'
+        kind = str(xr.device_type())
+        if kind == "TPU":
+            from torch_xla._internal import tpu
+
+            kind += f" v{tpu.version()}"
+        return kind
 
 
 def _name(text: str) -> str:
