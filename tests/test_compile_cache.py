@@ -55,6 +55,10 @@ def test_each_rank_writes_its_own_directory_and_the_pool_keeps_it(ip, tmp_path):
         status = strip_ansi(pool_magic(ip, "") + _status(ip))
         assert f"Cache:    {root}: " in status and "2 folder(s)" in status, status
         assert f"rm -r {root}" in status and "--compile-cache off" in status, status
+        pool_magic(ip, "restart")  # new ranks, the same cache
+        assert f"Cache:    {root}: " in _status(ip)
+        pool_magic(ip, "restart --compile-cache off")
+        assert "Cache:    off (--compile-cache off)" in _status(ip)
     finally:
         pool_magic(ip, "stop")
 

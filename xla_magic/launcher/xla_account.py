@@ -329,7 +329,7 @@ class Span:
             "load_seconds": _seconds_since((LOAD_TIME,), start.wall, tried) if tried else 0.0,
             "load_failures": load_failures,
             # XLA:CPU cannot load what it wrote: its failures are expected, not a stale cache
-            "cannot_load": bool(load_failures) and str(_xlac()._xla_get_platform_version()).lower() == "cpu",
+            "cannot_load": bool(load_failures) and _platform() == "cpu",
             "executions": executions,
             "execute_seconds": execute_seconds,
             "transfers": max(0, end.transfers - start.transfers - own_transfers),
@@ -388,6 +388,12 @@ class Span:
                 self.seen[(entry["code"], entry["path"])] = {"run": self.run, **{key: entry[key] for key in
                                                                  ("cell", "line", "hash", "inputs", "input_bytes", "shapes")}}
         return compilations
+
+
+def _platform() -> str:
+    """The PJRT platform's version (its name, on XLA:CPU: cpu)."""
+    version = getattr(_xlac(), "_xla_get_platform_version", None)
+    return str(version()).lower() if version is not None else ""
 
 
 def _compile_samples(since: float) -> list[float]:
