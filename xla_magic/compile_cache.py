@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -125,7 +126,8 @@ def problem_line(facts: Mapping[int, dict[str, Any]], told: set[str]) -> str | N
         if why in told:
             continue
         told.add(why)
-        who = "every rank" if len(ranks) == len(facts) else f"rank{'s' * (len(ranks) > 1)} " + ", ".join(map(str, ranks))
+        who = ("every rank" if len(ranks) == len(facts)
+               else f"rank{'s' * (len(ranks) > 1)} " + ", ".join(map(str, ranks)))
         lines.append(f"{who}: {why}")
     if not lines:
         return None
@@ -138,8 +140,21 @@ def directories(facts: Mapping[int, dict[str, Any]]) -> list[str]:
     return sorted({fact["dir"] for fact in facts.values() if fact and fact.get("on")})
 
 
+SIZE_KEPT = 5.0  # seconds a size is reused: the live panel redraws often while a cell runs, and a cache can be large
+_sizes: dict[str, tuple[float, tuple[int, int]]] = {}
+
+
 def size_of(path: str) -> tuple[int, int]:
-    """(files, bytes) under ``path``; (0, 0) when it is not there."""
+    """(files, bytes) under ``path``; (0, 0) when it is not there. Read again at most every SIZE_KEPT seconds."""
+    now = time.monotonic()
+    kept = _sizes.get(path)
+    if kept is not None and now - kept[0] < SIZE_KEPT:
+        return kept[1]
+    _sizes[path] = (now, _walk(path))
+    return _sizes[path][1]
+
+
+def _walk(path: str) -> tuple[int, int]:
     files = total = 0
     for folder, _dirs, names in os.walk(path):
         for name in names:

@@ -39,7 +39,8 @@ class Group:
 # What a rank that finished its cell without sending an account did on XLA: nothing (xla_account.py).
 IDLE: dict[str, Any] = {
     "ranks": [], "cell": None, "analysis": "ours", "compiles": 0, "compile_seconds": 0.0, "cached": 0,
-    "loaded": 0, "load_seconds": 0.0, "load_failures": 0, "cannot_load": False, "executions": 0, "execute_seconds": 0.0, "transfers": 0, "scalar_reads": 0, "fallbacks": {},
+    "loaded": 0, "load_seconds": 0.0, "load_failures": 0, "cannot_load": False, "executions": 0,
+    "execute_seconds": 0.0, "transfers": 0, "scalar_reads": 0, "fallbacks": {},
     "compilations": [], "sync_lines": [],
 }
 
@@ -333,7 +334,8 @@ def rows(record: RunRecord) -> list[list[str]]:
         table.append([
             _ranks(group.ranks) + (" (one process)" if group.shared else ""),
             str(account["compiles"]), _seconds(account["compile_seconds"]), str(account["cached"]),
-            _loaded(account), _seconds(account.get("load_seconds", 0.0)), str(account["executions"]), _seconds(account["execute_seconds"]), str(account["transfers"]), fallbacks,
+            _loaded(account), _seconds(account.get("load_seconds", 0.0)), str(account["executions"]),
+            _seconds(account["execute_seconds"]), str(account["transfers"]), fallbacks,
         ])
     return table
 
