@@ -128,6 +128,26 @@ def test_every_option_of_every_magic_is_in_the_reference(ip, reference):
                 assert f"`{choice}`" in text, f"{prefix}{name} {action.dest}={choice} is not documented"
 
 
+def test_each_option_reads_as_the_magic_s_own_help_prints_it(ip, reference):
+    """The page's help text for an option is what ``%%xla_spawn?`` prints (argparse's ``%%`` is one ``%``)."""
+    text = " ".join(page("reference").split())
+    for name, (prefix, function) in reference.xla_magics(ip).items():
+        parser = getattr(function, "parser", None)
+        printed = " ".join(parser.format_help().split()) if parser else ""
+        for action in reference.options(parser) if parser else []:
+            shown = " ".join(reference.help_of(parser, action).split())
+            assert shown in printed, f"{prefix}{name} {action.dest}: {shown!r} is not what its help prints"
+            assert shown.replace("|", "\\|") in text, f"{prefix}{name} {action.dest}'s help is not on the page"
+    assert "%%xla_profile" not in text, "%xla_profile is a line magic"
+
+
+def test_the_launch_default_is_the_one_the_code_uses(ip):
+    from xla_magic.hosts.discovery import DEFAULT_TEMPLATE
+
+    assert f"(default: '{DEFAULT_TEMPLATE}';" in page("reference")
+    assert "ssh {host}`` by default" not in page("reference")
+
+
 def rank_strategy_members() -> set[str]:
     """Public attributes of the rank's strategy, read from its source (no import)."""
     tree = ast.parse((ROOT / "xla_magic" / "launcher" / "strategy.py").read_text(encoding="utf-8"))

@@ -16,7 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from xla_magic import profile_view, widget, xla_report
 from xla_magic.display import in_notebook, syntax_error_in_cell
-from xla_magic.hosts.discovery import parse_hosts
+from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
 from xla_magic.pool import PoolOptions
 from xla_magic.session import Session
@@ -288,7 +288,7 @@ class XlaMagics(Magics):
     @argument(
         "--launch", metavar="TEMPLATE",
         help="with --hosts: the command that runs the engine on a host, with {host} and {index} "
-        "(default: 'ssh -T -o BatchMode=yes {host}'; e.g. 'ip netns exec ns{index}', "
+        f"(default: '{DEFAULT_TEMPLATE}'; e.g. 'ip netns exec ns{{index}}', "
         "'kubectl exec -i worker-{index} --')",
     )
     @spmd_arguments
@@ -316,7 +316,7 @@ class XlaMagics(Magics):
 
         ``%xla_pool start --hosts A,B [--devices N] [--launch TEMPLATE]``
         spans several hosts as one world: an ipyparallel engine on each host
-        (started by the launch template, ``ssh {host}`` by default) runs
+        (started by the launch template, see ``--launch`` for its default) runs
         that host's launcher and N ranks; cells then see ``rank`` (global),
         ``world_size`` (every host), ``local_rank`` and ``host``, output is
         tagged ``[hH rN]``, and the value lists every global rank's result.
