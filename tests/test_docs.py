@@ -258,9 +258,9 @@ def linked_entries() -> dict[str, list[str]]:
 
 
 def test_each_message_links_to_an_entry_that_exists():
-    from xla_magic.troubleshooting import PAGE
+    from xla_magic.troubleshooting import PAGES
 
-    assert PAGE == "docs/troubleshooting.md" and (ROOT / PAGE).exists()
+    assert PAGES[-1] == DOCS / "troubleshooting.md"
     anchors = {anchor for _, anchor in troubleshooting_entries()}
     linked = linked_entries()
     assert len(linked) >= 15, sorted(linked)
@@ -273,7 +273,7 @@ def test_each_known_problem_links_to_the_entry_for_its_message():
 
     entries = {anchor: message for message, anchor in troubleshooting_entries()}
     for pattern, advice in KNOWN_PROBLEMS:
-        link = re.search(r"See docs/troubleshooting\.md#([a-z0-9-]+)\.$", advice)
+        link = re.search(r"%xla_help ([a-z0-9-]+) says more\.$", advice)
         assert link, f"the advice for {pattern!r} does not end with its troubleshooting link: {advice!r}"
         assert re.search(pattern, entries[link.group(1)], re.IGNORECASE), (
             f"{pattern!r} links to #{link.group(1)}, whose message is {entries[link.group(1)]!r}"
@@ -290,9 +290,69 @@ def test_a_refusal_names_its_entry(monkeypatch):
         probe.place("tpu", None)
     message = str(info.value)
     assert message.startswith("no TPU was found on this machine")
-    assert message.endswith("See docs/troubleshooting.md#no-tpu-found.")
+    assert message.endswith("%xla_help no-tpu-found says more.")
     entries = dict((anchor, text) for text, anchor in troubleshooting_entries())
     assert message.startswith(entries["no-tpu-found"])
+
+
+def shown_in_the_cell(ip, cell: str) -> str:
+    """Everything a cell shows: its output, its error as IPython renders it, its display data as text."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        ip.run_cell(cell)
+    displayed = [output.data.get("text/plain", "") for output in captured.outputs]
+    return "\n".join([captured.stdout, captured.stderr, *displayed])
+
+
+def entry_text(anchor: str) -> tuple[str, str]:
+    """(message, first line of its explanation) of the entry, read from the page here, not by xla_magic."""
+    text = page("troubleshooting")
+    start = text.index(f'<a id="{anchor}"></a>')
+    heading, body = text[start:].split("\n## `", 1)[1].split("\n", 1)
+    return heading.rstrip("`"), body.strip().splitlines()[0]
+
+
+def test_every_entry_a_message_names_is_shown_by_the_line_it_gives(ip):
+    """Each see(ID) in the code gives a line (%xla_help ID) that shows the entry's text in the cell."""
+    from xla_magic.troubleshooting import see
+
+    for anchor in linked_entries():
+        line = re.fullmatch(r"(%xla_help [a-z0-9-]+) says more\.", see(anchor)).group(1)
+        shown = shown_in_the_cell(ip, line)
+        message, explanation = entry_text(anchor)
+        assert message in shown and explanation.split("(")[0].split("[")[0] in shown, (anchor, shown)
+    assert "%xla_help no-tpu-found" in shown_in_the_cell(ip, "%xla_help")
+    assert "UsageError: no troubleshooting entry 'nope'" in shown_in_the_cell(ip, "%xla_help nope")
+    # never a path into a repository the user of Colab or Kaggle does not have
+    assert re.findall(r"See docs/\S+", source_text()) == []
+
+
+# Real errors, raised where a user meets them: the advice in the message, then the entry its line shows.
+ERRORS_WITH_ADVICE = {
+    "no-tpu-found": ("%%xla_spawn --backend tpu\nrank", "Use --backend cpu (or auto)"),
+    "strategy-outside-cell": ("from xla_magic import strategy\nstrategy.barrier()", "move this call into a %%xla_spawn cell"),
+    "resource-exhausted": ("%%xla_spawn --devices 1\nraise RuntimeError('RESOURCE_EXHAUSTED: Attempting to reserve 20.00G')",
+                           "What to do: a device ran out of memory"),
+    "cannot-send-variable": ("import threading\nheld = threading.Lock()\n%%xla_spawn --devices 1\nheld", "Create it inside"),
+}
+
+
+@pytest.mark.parametrize("anchor", sorted(ERRORS_WITH_ADVICE))
+def test_an_error_s_advice_is_readable_in_the_cell(ip, monkeypatch, anchor):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)  # this machine has no TPU: --backend tpu is refused
+    cell, advice = ERRORS_WITH_ADVICE[anchor]
+    if "\n%%xla_spawn" in cell:
+        setup, cell = cell.split("\n%%xla_spawn", 1)
+        ip.run_cell(setup)
+        cell = "%%xla_spawn" + cell
+    shown = shown_in_the_cell(ip, cell)
+    assert advice in shown, shown
+    line = re.search(r"(%xla_help [a-z0-9-]+) says more\.", shown)
+    assert line and line.group(1) == f"%xla_help {anchor}", shown
+    message, explanation = entry_text(anchor)
+    followed = shown_in_the_cell(ip, line.group(1))
+    assert message in followed and explanation in followed, followed
 
 
 def test_local_links_resolve():
