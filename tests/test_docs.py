@@ -161,10 +161,12 @@ def test_the_glossary_defines_the_words_the_pages_use():
 
 
 def test_each_fact_has_one_home():
-    """The install table, the version pins and the fused-AdamW advice are each written on one page only."""
+    """The install table, the version pins, the fused-AdamW advice, torch_xla's 'Runtime is already initialized'
+    and why --devices is 1 or all on a TPU are each written on one page only; the others link there."""
     pages = {path.name: path.read_text(encoding="utf-8") for path in DOCS.glob("*.md")}
     pages["README.md"] = readme()
-    for fact in ("| where | how |", "| package | supported | lowest is | notes |", 'optim="adamw_torch"` to'):
+    for fact in ("| where | how |", "| package | supported | lowest is | notes |", 'optim="adamw_torch"` to',
+                 "Do not use the XLA device before calling xmp.spawn", "That is why `--devices` on a TPU is 1"):
         homes = [name for name, text in pages.items() if fact in text]
         assert len(homes) == 1, f"{fact!r} is written on {homes}"
 
