@@ -63,6 +63,7 @@ def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
             "%load_ext xla_magic",
             "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
             "%%xla_spawn --devices 2\nrank",
+            "%xla_help kernel-initialised-xla",
         ),
         PJRT_DEVICE="CPU",
     )
@@ -70,6 +71,11 @@ def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
     refused = text_of(nb.cells[2])
     assert "UsageError" in refused
     assert "initialised an XLA runtime" in refused and "Restart the kernel" in refused
+    # the line the refusal ends with, run in the same notebook, shows its troubleshooting entry there
+    assert refused.rstrip().endswith("%xla_help kernel-initialised-xla says more.")
+    (shown,) = [output for output in nb.cells[3].outputs if output.output_type == "display_data"]
+    assert shown.data["text/markdown"].startswith("**%%xla_spawn refused: this kernel has initialised an XLA runtime**")
+    assert "keep every use of torch_xla inside" in " ".join(shown.data["text/markdown"].split())
 
 
 @pytest.fixture

@@ -96,7 +96,7 @@ def sweep_orphan_dirs(root: str | None = None) -> None:
 
 
 class LauncherError(RuntimeError):
-    pass
+    """The launcher, the process that starts every rank, could not start or died starting: the message says why."""
 
 
 class Launcher:
@@ -200,7 +200,7 @@ class Launcher:
             raise LauncherError(
                 f"the launcher could not import torch_xla with {self.python}: "
                 f"{event.fields['message']}. Install it there (locally: "
-                f"pip install 'xla_magic[local]'; Colab and Kaggle TPU images ship it), "
+                f"pip install '.[local]' in xla_magic's clone; Colab and Kaggle TPU images ship it), "
                 f"or point XLA_MAGIC_PYTHON at an interpreter that has it. " + see("launcher-no-torch-xla")
             )
         raise LauncherError(f"the launcher exited while starting{self._log_excerpt()}")

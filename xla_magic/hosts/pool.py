@@ -94,7 +94,7 @@ class HostsPool:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
         if importlib.util.find_spec("ipyparallel") is None:
             raise UsageError("a pool across hosts runs on ipyparallel, which is not installed in this kernel: "
-                             "pip install 'xla_magic[hosts]' here and on every host, then start it again")
+                             "pip install 'ipyparallel>=8.6' (the hosts extra) here and on every host, then start it again")
 
     @classmethod
     def start(cls, runner: Runner, options: PoolOptions) -> HostsPool:
