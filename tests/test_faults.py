@@ -24,7 +24,7 @@ from IPython.utils.capture import capture_output
 
 from helpers import (assert_nothing_left, extension_processes, interrupt_once_shown, shown, strip_ansi, wait_for,
                      wait_gone, when)
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.display import RankError, RunInterrupted
 
 def assert_next_cell_works(spawn) -> None:

@@ -22,7 +22,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
-from xla_magic import launcher_client, policy, protocol, transport
+from xla_magic import launcher_client, policy
+from xla_magic.wire import protocol, transport
 from xla_magic.pool import Cell
 from xla_magic.ranks import Ranks
 from xla_magic.request import Request

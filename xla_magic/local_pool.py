@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, policy, protocol, sharding, transport
+from xla_magic import payload, policy, sharding
+from xla_magic.wire import protocol, transport
 from xla_magic.launcher_client import READY_TIMEOUT
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
 from xla_magic.ranks import Ranks

@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, policy, probe, profile_view, protocol, sharding, xla_report
+from xla_magic import payload, place, policy, probe, profile_view, sharding, xla_report
+from xla_magic.wire import protocol
 from xla_magic.display import RunInterrupted
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pool import Cell

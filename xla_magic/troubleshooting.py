@@ -1,4 +1,4 @@
-"""Where an error message's troubleshooting entry is: ``docs/troubleshooting.md#ID``.
+"""Where an error message's troubleshooting entry is: ``docs/troubleshooting.md#ID``. Runs in the kernel.
 
 Runs in the kernel (and in ranks, through kernel_strategy). A message that has
 an entry ends with ``see(ID)``; each ID is an anchor the page sets on that

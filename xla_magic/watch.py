@@ -15,14 +15,30 @@ that holds the GIL, and read from outside with py-spy where installed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from xla_magic import stacks
 from xla_magic.ranks import process_stopped
+from xla_magic.record import RunRecord
 from xla_magic.troubleshooting import see
 
-if TYPE_CHECKING:
-    from xla_magic.request import Request
+
+class Followed(Protocol):
+    """What the watchdog reads of the run it follows, and the two things it does to it (request.py's Request)."""
+
+    record: RunRecord
+    ranks: Any  # the set's naming, pids and ask_where (ranks.py)
+    targets: list[int]
+    done: set[int]
+    failures: dict[int, Any]
+    output: Any  # its lines so far (.lines)
+    sent: bool
+    stop_reason: str | None
+
+    def unsettled(self, ranks: list[int] | None = None) -> list[int]: ...
+    def pump(self, timeout: float) -> None: ...
+    def rank_state(self, rank: int, value: str) -> None: ...
+    def tag_of(self, ranks: list[int]) -> str: ...
 
 # The default hang delay. A collective takes milliseconds once every rank is
 # in it; ranks drift apart for longer only when one compiles or evaluates
@@ -37,7 +53,7 @@ WHEN = {"interrupt": "when interrupted", "timeout": "when --timeout stopped it",
 class Watch:
     """One request's watchdog and its reading of where the ranks are."""
 
-    def __init__(self, request: Request, hang_after: float | None, notebook: bool) -> None:
+    def __init__(self, request: Followed, hang_after: float | None, notebook: bool) -> None:
         self.request = request
         self.hang_after = HANG_AFTER if hang_after is None else hang_after
         self.every = min(max(self.hang_after / 4, 0.5), 5.0)  # how often to look while nothing moves

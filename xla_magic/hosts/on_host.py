@@ -24,7 +24,7 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.hosts import profiles
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.local_pool import LocalPool

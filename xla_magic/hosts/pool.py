@@ -20,10 +20,12 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, profile_view, protocol
+from xla_magic import payload, place, profile_view
+from xla_magic.wire import protocol
 from xla_magic.hosts import discovery, on_host, profiles
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
-from xla_magic.hosts.request import HostsRequest, label
+from xla_magic.hosts.naming import RESTART, label
+from xla_magic.hosts.request import HostsRequest
 from xla_magic.hosts.shipping import HostShipping
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
 from xla_magic.record import RankState, RunRecord
@@ -33,7 +35,6 @@ ENGINES_TIMEOUT = 120.0  # for every engine to register
 START_TIMEOUT = 600.0  # for every host's launcher and ranks to be ready
 HEARTBEAT_MS = 1000  # the controller's heartbeat period; an engine ends after MISSES silent periods
 MISSES = 10
-RESTART = "%xla_pool restart (or %xla_pool stop, then %xla_pool start --hosts ...) starts it anew"
 
 
 class HostsPool:
@@ -429,4 +430,4 @@ def _private(profile: str) -> None:
         os.chmod(os.path.join(security, name), stat.S_IRUSR | stat.S_IWUSR)
 
 
-__all__ = ["HostsPool", "label", "RESTART"]
+__all__ = ["HostsPool"]

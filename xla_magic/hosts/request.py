@@ -15,17 +15,15 @@ import re
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from IPython.core.error import UsageError
 
 from xla_magic import stacks
 from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic.hosts.naming import RESTART, label
 from xla_magic.hosts.on_host import HostOutcome
 from xla_magic.record import RunRecord
-
-if TYPE_CHECKING:
-    from xla_magic.hosts.pool import HostsPool
 
 OUTPUT_PATIENCE = 10.0  # for a host's output to catch up with its reply (ipyparallel sends them apart)
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
@@ -33,20 +31,15 @@ STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answ
 TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
 
 
-def label(devices: int) -> Any:
-    """The tag of a global rank: ``hH rN``."""
-    return lambda rank: f"h{rank // devices} r{rank}"
-
-
 class HostsRequest:
-    """``calls``: one ipyparallel AsyncResult per host, in host order.
+    """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (hosts/pool.py's HostsPool).
 
     With a ``record`` (a run in the session's history), the request keeps its
     ranks' states and lines as the hosts' output and outcomes come in, and
     stops every host when the record asks (the status panel's Interrupt).
     """
 
-    def __init__(self, pool: HostsPool, calls: list[Any], timeout: float | None = None, echo: bool = True,
+    def __init__(self, pool: Any, calls: list[Any], timeout: float | None = None, echo: bool = True,
                  record: RunRecord | None = None, devices: int | None = None) -> None:
         self.pool = pool
         self.calls = calls
@@ -268,8 +261,6 @@ class HostsRequest:
         return results
 
     def _pool_note(self) -> str:
-        from xla_magic.hosts.pool import RESTART
-
         if self.pool.state == "broken":
             return f"the pool is broken ({self.pool.problem}): {RESTART}"
         return "the pool keeps its ranks and their namespaces on every host"
