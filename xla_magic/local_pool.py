@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, policy, sharding
+from xla_magic import payload, policy, sharding, watch
 from xla_magic.wire import protocol, transport
 from xla_magic.launcher_client import READY_TIMEOUT
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
@@ -91,6 +91,12 @@ class LocalPool:
     @property
     def start_seconds(self) -> float:
         return self.ranks.start_seconds or 0.0
+
+    def label(self, rank: int) -> str:
+        return self.ranks.label(rank)
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        return watch.where_now(self.ranks, everything)
 
     # -- requests ------------------------------------------------------------------
 

@@ -55,6 +55,8 @@ class RunRecord:
     stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
     stacks_when: str = ""
     hang: str | None = None
+    # Since when (time.monotonic, on the host that asked) each rank has been where its last answer put it.
+    arrived: dict[int, float] = field(default_factory=dict)
     profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
 
     def take(self, kind: str, fact: dict[str, Any]) -> None:

@@ -115,11 +115,9 @@ class Session(Runner):
         return self._usable_pool().pull(name, rank)
 
     def stacks(self, rank: int | None, everything: bool) -> list[str]:
-        """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's on this host now.
-
-        A pool across hosts has no ranks here to ask (its engines answer one call at a time): there only
-        the last cell's stacks show."""
-        return watch.report(self.history, getattr(self.current_pool(), "ranks", None), rank, everything)
+        """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's ranks now, on
+        this host or across hosts."""
+        return watch.report(self.history, self.current_pool(), rank, everything)
 
     def describe_pool(self) -> str:
         pool = self.current_pool()

@@ -35,6 +35,7 @@ ENGINES_TIMEOUT = 120.0  # for every engine to register
 START_TIMEOUT = 600.0  # for every host's launcher and ranks to be ready
 HEARTBEAT_MS = 1000  # the controller's heartbeat period; an engine ends after MISSES silent periods
 MISSES = 10
+WHERE_TIMEOUT = 30.0  # for a host to say where its ranks are now (each waits a second for its samplers)
 
 
 class HostsPool:
@@ -68,6 +69,8 @@ class HostsPool:
         self.shipping = HostShipping(len(hosts))  # what each host's engine holds of the kernel's values
         self.address = ""
         self.cells = 0
+        self.hang_after: float | None = None  # --hang-after, for the pool's cells that give none (watch.py)
+        self.live_lines = False  # the watchdog's line updated in place: the kernel is a notebook's
         self.started = time.time()
         self.start_seconds: float | None = None
         # The kernel's environment as the pool started: its changes since then travel to every host's ranks.
@@ -102,6 +105,7 @@ class HostsPool:
         """``%xla_pool start --hosts``: one engine per host, each running its host's launcher and ranks."""
         cls.check_options(options)
         pool = cls(runner, list(options.hosts or ()), options.devices, options.backend or "auto", options.template)
+        pool.hang_after, pool.live_lines = options.hang_after, options.live_lines
         pool.start_all()
         return pool
 
@@ -115,7 +119,7 @@ class HostsPool:
         self.stop()
         return HostsPool.start(self.runner, options.but(
             hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
-            backend=options.backend or self.backend))
+            backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after))
 
     def start_all(self) -> None:
         """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
@@ -246,6 +250,23 @@ class HostsPool:
 
     # -- requests ---------------------------------------------------------------
 
+    def label(self, rank: int) -> str:
+        return label(self.devices)(rank)
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        """Where every host's ranks are now, by global rank (``%xla_stacks`` between cells: every engine is free)."""
+        calls = self._call_hosts(on_host.where_now, [(everything,)] * len(self.hosts))
+        found: dict[int, dict[str, Any]] = {}
+        for index, call in enumerate(calls):
+            try:
+                answers = call.get(WHERE_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - a lost engine: say so for its ranks, show the others
+                answers = {local: {"unanswered": f"host h{index} did not answer ({type(exc).__name__})"}
+                           for local in range(self.devices)}
+            for local, answer in answers.items():
+                found[index * self.devices + local] = answer
+        return found
+
     def check_usable(self) -> None:
         if self.state == "broken":
             raise UsageError(f"the pool across hosts is broken ({self.problem}); nothing ran. {RESTART}.")
@@ -268,20 +289,22 @@ class HostsPool:
         sending = self.shipping.prepare(user_values(cell))  # checked here, run by each host's pool
         # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
         here = place.current(place.environment_changes(self.base_environment))
+        hang_after = cell.hang_after or self.hang_after
         if cell.fresh:
             devices = cell.devices or self.devices
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
-                 cell.profile) for index, world in enumerate(worlds)])
+                 cell.profile, hang_after) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
-                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile)
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after)
                 for index in range(len(self.hosts))])
         record = self._record(cell.source, devices)
-        request = HostsRequest(self, calls, timeout=None, record=record, devices=devices)
+        request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
+                               notebook=cell.live_lines or self.live_lines)
         try:
             values_by_host = self._follow(request)
         finally:
