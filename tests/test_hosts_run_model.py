@@ -97,3 +97,17 @@ def test_the_panel_s_where_moves_on_every_host_as_the_ranks_move(ip, pool):
     assert time.monotonic() < deadline
     for rank, seen in places.items():
         assert seen[:2] == ["sleeping in time.sleep (line 2)", "sleeping in time.sleep (line 4)"], (rank, places)
+
+
+def test_a_restart_keeps_every_host_s_engine_and_starts_fresh_ranks(ip, pool):
+    with capture_output():
+        ip.run_cell_magic("xla_spawn", "", "kept = rank")
+    engines, ranks = list(pool.engine_pids), dict(pool.pids)
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", "restart")
+    assert "pool ready" in shown.stdout
+    assert ip._xla_magic_session.pool is pool and pool.engine_pids == engines  # the same cluster, no new engine
+    assert set(pool.pids) == set(ranks) and not set(pool.pids.values()) & set(ranks.values())  # new ranks
+    with capture_output():
+        value = ip.run_cell_magic("xla_spawn", "", "'kept' in dir()")
+    assert value == [False] * 4

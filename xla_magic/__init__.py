@@ -38,7 +38,7 @@ def _prewarm(session: Any) -> None:
     from xla_magic.launcher_client import LauncherError
 
     try:
-        session.ensure_launcher()
+        session.host.ensure_launcher()
     except LauncherError:
         pass
 

@@ -50,9 +50,9 @@ class LocalPool:
         placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
         ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world)
         ranks.hang_after = options.hang_after
-        record = runner.record(runner.next_run_id(), "%xla_pool start", ranks)
+        record = runner.record(runner.history.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
-                        on_update=runner.notify, live_lines=options.live_lines)
+                        on_update=runner.history.notify, live_lines=options.live_lines)
         began = time.monotonic()
         try:
             runner.launch(ranks, record, first=None)
@@ -63,7 +63,7 @@ class LocalPool:
             raise
         ranks.start_answered(time.monotonic() - began)
         pool = cls(runner, ranks, options.xla_report)
-        runner.notify(record)  # a panel on show learns of the pool now, not at its next redraw
+        runner.history.notify(record)  # a panel on show learns of the pool now, not at its next redraw
         return pool
 
     # -- what the session reads --------------------------------------------------

@@ -42,6 +42,7 @@ class RunRecord:
     backend: str
     devices: int
     mesh: str = ""  # an SPMD run's mesh, as in "data=4 × model=2"; empty for one rank per device
+    one_value: bool = False  # its value is one value (the SPMD process's), not a list by rank
     started: float = field(default_factory=time.time)
     duration: float | None = None
     outcome: str = "running"

@@ -27,6 +27,7 @@ from IPython.core.error import UsageError
 
 from xla_magic import watch
 from xla_magic.display import RankError, RunInterrupted
+from xla_magic.history import History
 from xla_magic.hosts import profiles
 from xla_magic.local_pool import LocalPool
 from xla_magic.pool import Cell, PoolOptions
@@ -66,9 +67,9 @@ class Here:
 
     def __init__(self, world: protocol.World) -> None:
         self.world = world
-        self.runner = Runner()
-        self.runner.shows_profiles = False  # the kernel draws every host's (hosts/profiles.py)
-        self.runner.listeners.append(self._tell_kernel)
+        self.runs = History()
+        self.runs.listeners.append(self._tell_kernel)
+        self.runner = Runner(self.runs)
         self.pool: LocalPool | None = None
         self.values: dict[str, Any] = {}
         self.received: tuple[str, ...] = ()  # the names the last cell brought (the others were here already)
@@ -94,6 +95,13 @@ class Here:
             publish_data({NEWS: dict(news, waited=waited)})
         except Exception:  # noqa: BLE001 - not in an engine, or the news cannot travel: the kernel waits for the end
             pass
+
+    def renew(self, world: protocol.World) -> None:
+        """This host's part of a new world: its pool's ranks end; its launcher and values stay."""
+        pool, self.pool = self.pool, None
+        self.world = world
+        if pool is not None:
+            pool.stop()
 
     def close(self) -> None:
         try:
@@ -130,11 +138,17 @@ def ranks_here(devices: int | None, backend: str) -> HostOutcome:
 
 
 def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
-    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank."""
+    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank.
+
+    Again on a host that has a pool (the kernel's ``%xla_pool restart``): its ranks end and new ones start,
+    with the same launcher and the kernel's values this host holds."""
     global _here
-    stop()
-    here = _here = Here(world)
-    atexit.register(stop)
+    here = _here
+    if here is None:
+        here = _here = Here(world)
+        atexit.register(stop)
+    else:
+        here.renew(world)
 
     def start_pool() -> dict[int, int]:
         here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend), world)
@@ -169,10 +183,10 @@ def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeo
 
 def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
     """``call``'s outcome; a --profile cell's with this host's trace files (``profile``), however it ended."""
-    before = here.runner.last_profiled
+    before = here.runs.last_profiled
     outcome = _outcome(call)
     if cell.profile:
-        record = here.runner.last_profiled
+        record = here.runs.last_profiled
         outcome["profile"] = profiles.collect(record if record is not before else None)
     return outcome
 
@@ -274,7 +288,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _running_record() -> Any:
-    history = _here.runner.history if _here is not None else []
+    history = _here.runs.records if _here is not None else []
     return history[-1] if history and history[-1].outcome == "running" else None
 
 
@@ -307,7 +321,7 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
 
 def _where() -> HostOutcome:
     """Where this host's ranks were when its last cell was stopped, raw: the kernel groups every host's."""
-    history = _here.runner.history if _here is not None else []
+    history = _here.runs.records if _here is not None else []
     record = history[-1] if history else None
     if record is None or not record.stacks:
         return {}

@@ -115,11 +115,30 @@ class HostsPool:
         raise UsageError("a pool across hosts is running: %xla_pool stop it first, then start one on this host")
 
     def restart(self, options: PoolOptions) -> HostsPool:
-        """The same hosts and launch template; devices and backend as before unless given."""
-        self.stop()
-        return HostsPool.start(self.runner, options.but(
-            hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
-            backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after))
+        """Fresh ranks on the same hosts: devices and backend as before unless given.
+
+        A pool that is not broken keeps its cluster: each engine keeps its launcher (torch_xla imported
+        once) and the kernel's values it holds, and only the ranks start anew. A broken one may have lost an
+        engine or the controller, so everything starts anew, as at ``%xla_pool start``."""
+        if self.state != "ready":
+            self.stop()
+            return HostsPool.start(self.runner, options.but(
+                hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
+                backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after))
+        self.check_options(options)
+        self.requested_devices = options.devices or self.devices
+        self.backend = options.backend or self.backend
+        self.hang_after = options.hang_after or self.hang_after
+        self.state, self.problem, self.cells, self.started = "starting", None, 0, time.time()
+        began = time.monotonic()
+        try:
+            self._start_ranks()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began
+        self.state = "ready"
+        return self
 
     def start_all(self) -> None:
         """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
@@ -317,7 +336,7 @@ class HostsPool:
 
     def _show_profile(self, record: RunRecord, request: HostsRequest, devices: int) -> None:
         profiles.store(record, request.outcomes, self.hosts, devices, self.workdir.new(f"profile-{record.run_id}-"))
-        self.runner.last_profiled = record  # %xla_profile shows it again
+        self.runner.history.last_profiled = record  # %xla_profile shows it again
         profile_view.after_cell(record)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
@@ -351,17 +370,19 @@ class HostsPool:
         try:
             return request.wait()
         finally:
+            if request.broken is not None and self.state != "broken":
+                self.mark_broken(request.broken)
             if self.state == "running":
                 self.state = "ready"
 
     def _record(self, label: str, devices: int) -> RunRecord:
         """A run of every global rank in the session's history: the panel shows it, and can interrupt it."""
-        runner = self.runner
-        record = RunRecord(runner.next_run_id(), label, self.backend, devices * len(self.hosts))
+        history = self.runner.history
+        record = RunRecord(history.next_run_id(), label, self.backend, devices * len(self.hosts))
         record.ranks = {rank: RankState(state="running", pid=self.pids.get(rank))
                         for rank in range(devices * len(self.hosts))}
-        runner.remember(record)
-        runner.notify(record)
+        history.remember(record)
+        history.notify(record)
         return record
 
     # -- describing -----------------------------------------------------------------

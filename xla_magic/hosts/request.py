@@ -52,6 +52,8 @@ class HostsRequest:
         self.outcomes: dict[int, HostOutcome] = {}
         self.shown: dict[tuple[int, str], int] = {}
         self.stopping: str | None = None  # why the other hosts were told to stop: failure, interrupt, timeout
+        self.broken: str | None = None  # what broke the pool during the request, for the pool to take on
+        self.history = pool.runner.history  # the session's: the record's listeners (the panel)
         self.stopped_at: float | None = None
         tags = label(self.devices)
         self.output = TaggedOutput(label=tags, log_dir=lambda: pool.workdir.new("logs-hosts-"),
@@ -126,7 +128,7 @@ class HostsRequest:
                 state.ended = time.monotonic()
         record.outcome = outcome
         record.duration = time.time() - record.started
-        self.pool.runner.notify(record)
+        self.history.notify(record)
 
     # -- following ----------------------------------------------------------------
 
@@ -138,11 +140,11 @@ class HostsRequest:
                 outcome = call.get()
             except Exception as exc:  # the engine died or could not run the call
                 outcome = {"outcome": "lost", "message": _engine_problem(exc)}
-                self.pool.mark_broken(f"the engine of host h{index} ({self.pool.hosts[index]}) "
+                self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) "
                                       f"{outcome['message']}")
             self.outcomes[index] = outcome
             if outcome.get("broken"):
-                self.pool.mark_broken(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
+                self._broke(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
             if outcome["outcome"] != "ok" and self.stopping is None:
                 self._stop_hosts("failure")
 
@@ -189,7 +191,7 @@ class HostsRequest:
         if state is not None:
             state.lines += batch
             state.last_line = line
-            self.pool.runner.notify(self.record)
+            self.history.notify(self.record)
 
     def _follow_news(self) -> None:
         """Every host's live news into the record (each rank's state and place, for the panel), then the watchdog's
@@ -212,7 +214,7 @@ class HostsRequest:
                     if state in ("done", "failed", "killed"):
                         rank_state.ended = now
         if changed:
-            self.pool.runner.notify(record)
+            self.history.notify(record)
             self._judge(now)
 
     def _judge(self, now: float) -> None:
@@ -255,14 +257,14 @@ class HostsRequest:
                 # Blocking: each nanny answers once its signal is sent, so none arrives in a later request.
                 self.pool.client.send_signal(signal.SIGINT, targets=running, block=True)
             except Exception as exc:  # noqa: BLE001 - a lost controller must not hide the failure
-                self.pool.mark_broken(f"could not interrupt the hosts ({type(exc).__name__}: {exc})")
+                self._broke(f"could not interrupt the hosts ({type(exc).__name__}: {exc})")
 
     def _give_up(self) -> None:
         hosts = [f"h{index} ({self.pool.hosts[index]})" for index in range(len(self.calls))
                  if index not in self.outcomes]
         for index in range(len(self.calls)):
             self.outcomes.setdefault(index, {"outcome": "lost", "message": "did not stop when told to"})
-        self.pool.mark_broken(f"host(s) {', '.join(hosts)} did not stop when told to")
+        self._broke(f"host(s) {', '.join(hosts)} did not stop when told to")
 
     # -- the end ----------------------------------------------------------------------
 
@@ -327,9 +329,15 @@ class HostsRequest:
                 results[index * self.devices + rank] = value
         return results
 
+    def _broke(self, problem: str) -> None:
+        """The pool is broken: the pool itself says so once the request is over (``broken``), its one writer."""
+        if self.broken is None:
+            self.broken = problem
+
     def _pool_note(self) -> str:
-        if self.pool.state == "broken":
-            return f"the pool is broken ({self.pool.problem}): {RESTART}"
+        problem = self.broken or (self.pool.problem if self.pool.state == "broken" else None)
+        if problem is not None:
+            return f"the pool is broken ({problem}): {RESTART}"
         return "the pool keeps its ranks and their namespaces on every host"
 
 
