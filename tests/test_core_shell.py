@@ -248,19 +248,19 @@ def test_a_dead_launcher_is_replaced_on_the_next_cell(ip, spawn):
     import psutil
 
     session = ip._xla_magic_session
-    old = session.ensure_launcher()
+    old = session.host.ensure_launcher()
     old.wait_ready()
     psutil.Process(old.pid).kill()
     old.process.wait()
     assert spawn("--devices 2", "rank").value == [0, 1]
-    assert session.launcher is not old and session.launcher.alive()
+    assert session.host.launcher is not old and session.host.launcher.alive()
 
 
 def test_unload_stops_every_process_and_reload_works(ip, spawn):
     import psutil
 
     session = ip._xla_magic_session
-    session.ensure_launcher().wait_ready()
+    session.host.ensure_launcher().wait_ready()
     assert psutil.Process().children(recursive=True)
     ip.run_line_magic("unload_ext", "xla_magic")
     try:

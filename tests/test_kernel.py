@@ -113,7 +113,7 @@ def test_killed_kernel_takes_launcher_and_ranks_with_it(kernel):
 
     # Start a long cell without waiting for it, then kill the kernel under it.
     kernel.client.execute(
-        "print('pid', get_ipython()._xla_magic_session.ensure_launcher().pid, flush=True)\n"
+        "print('pid', get_ipython()._xla_magic_session.host.ensure_launcher().pid, flush=True)\n"
     )
     kernel.client.execute(
         "%%xla_spawn --devices 2\nimport os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(600)"

@@ -1,4 +1,4 @@
-"""xla_magic: run notebook cells on every TPU core, with the kernel XLA-free.
+"""xla_magic: run notebook cells on every TPU core, with the kernel XLA-free. Runs in the kernel.
 
 ``%load_ext xla_magic`` registers the magics. This module and everything it
 imports run in the kernel and never import torch_xla.
@@ -37,7 +37,7 @@ def _prewarm(session: Any) -> None:
     from xla_magic.launcher_client import LauncherError
 
     try:
-        session.ensure_launcher()
+        session.host.ensure_launcher()
     except LauncherError:
         pass
 

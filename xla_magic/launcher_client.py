@@ -1,4 +1,4 @@
-"""The kernel's handle on its launcher process, and the session's private directory.
+"""The kernel's handle on its launcher process, and the session's private directory. Runs in the kernel.
 
 Runs in the kernel. The launcher (``python -m xla_magic.launcher``) is started
 here with one end of a socket pair; jobs go to it with their sockets attached
@@ -20,7 +20,8 @@ import weakref
 from typing import Any
 
 
-from xla_magic import place, protocol, transport
+from xla_magic import place
+from xla_magic.wire import protocol, transport
 from xla_magic.troubleshooting import see
 
 READY_TIMEOUT = 300.0

@@ -1,4 +1,4 @@
-"""The magics: parse arguments, hand over to the session, show the result.
+"""The magics: parse arguments, hand over to the session, show the result. Runs in the kernel.
 
 Runs in the kernel.
 """

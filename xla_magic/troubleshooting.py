@@ -1,4 +1,4 @@
-"""An error's troubleshooting entry, readable in the notebook: ``%xla_help ID``.
+"""An error's troubleshooting entry, readable in the notebook: ``%xla_help ID``. Runs in the kernel.
 
 Runs in the kernel (and in ranks, through kernel_strategy). A message that has
 an entry ends with ``see(ID)``, which names the magic that shows it; each ID is

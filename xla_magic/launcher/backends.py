@@ -29,7 +29,7 @@ import socket
 import traceback
 from typing import Any, Callable
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
 from xla_magic.launcher import strategy as strategy_module
 
