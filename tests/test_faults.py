@@ -444,7 +444,7 @@ def test_garbled_message_becomes_an_error_not_a_crash(spawn):
     # The cell finds its own events socket and writes a frame that is not an event.
     cell = (
         "import gc\n"
-        "from xla_magic import protocol\n"
+        "from xla_magic.wire import protocol\n"
         "channel = next(o for o in gc.get_objects() if isinstance(o, protocol.Channel) and o.sock.fileno() >= 0)\n"
         "channel.sock.sendall(b'\\x00\\x00\\x00\\x05garbage')\n"
         "import time; time.sleep(600)"
