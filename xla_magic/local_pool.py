@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, policy, protocol, sharding, transport
+from xla_magic import compile_cache, payload, policy, sharding, watch
+from xla_magic.wire import protocol, transport
 from xla_magic.launcher_client import READY_TIMEOUT
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
 from xla_magic.ranks import Ranks
@@ -51,9 +52,9 @@ class LocalPool:
         ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world,
                       cache=compile_cache.resolve(options.compile_cache))
         ranks.hang_after = options.hang_after
-        record = runner.record(runner.next_run_id(), "%xla_pool start", ranks)
+        record = runner.record(runner.history.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
-                        on_update=runner.notify, live_lines=options.live_lines)
+                        on_update=runner.history.notify, live_lines=options.live_lines)
         began = time.monotonic()
         try:
             runner.launch(ranks, record, first=None)
@@ -67,7 +68,7 @@ class LocalPool:
             raise
         ranks.start_answered(time.monotonic() - began)
         pool = cls(runner, ranks, options.xla_report)
-        runner.notify(record)  # a panel on show learns of the pool now, not at its next redraw
+        runner.history.notify(record)  # a panel on show learns of the pool now, not at its next redraw
         return pool
 
     # -- what the session reads --------------------------------------------------
@@ -95,6 +96,12 @@ class LocalPool:
     @property
     def start_seconds(self) -> float:
         return self.ranks.start_seconds or 0.0
+
+    def label(self, rank: int) -> str:
+        return self.ranks.label(rank)
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        return watch.where_now(self.ranks, everything)
 
     # -- requests ------------------------------------------------------------------
 

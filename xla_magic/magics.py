@@ -1,4 +1,4 @@
-"""The magics: parse arguments, hand over to the session, show the result.
+"""The magics: parse arguments, hand over to the session, show the result. Runs in the kernel.
 
 Runs in the kernel.
 """
@@ -13,10 +13,11 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
-from xla_magic import compile_cache, profile_view, widget, xla_report
+from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
 from xla_magic.display import in_notebook, syntax_error_in_cell
-from xla_magic.hosts.discovery import parse_hosts
+from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
 from xla_magic.pool import PoolOptions
 from xla_magic.session import Session
@@ -244,6 +245,30 @@ class XlaMagics(Magics):
         profile_view.show(record, text=args.text)
 
     @magic_arguments()
+    @argument("entry", nargs="?", help="the entry an error message names (%%xla_help ID says more.); none: list them")
+    @line_magic
+    def xla_help(self, line: str) -> None:
+        """Show a troubleshooting entry here in the notebook: what an error means and what to do.
+
+        An error message that has an entry ends with ``%xla_help ID says
+        more.``; run that line to read the entry (the text of the
+        documentation's Troubleshooting page). ``%xla_help`` alone lists every
+        entry with its message.
+        """
+        args = parse_argstring(self.xla_help, line)
+        known = troubleshooting.entries()
+        if not known:
+            raise UsageError("this installation has no troubleshooting page (xla_magic/troubleshooting.md): "
+                             "reinstall xla_magic from its wheel, or read docs/troubleshooting.md in its repository")
+        if args.entry is None:
+            print("\n".join(f"%xla_help {entry.id:<32} {entry.message}" for entry in known.values()))
+            return
+        entry = known.get(args.entry.strip().lstrip("#"))
+        if entry is None:
+            raise UsageError(f"no troubleshooting entry {args.entry!r}: %xla_help alone lists them")
+        display({"text/plain": entry.text(), "text/markdown": entry.markdown()}, raw=True)
+
+    @magic_arguments()
     @argument("-r", "--rank", type=int, default=None, help="only this rank's stack")
     @argument("--all", action="store_true", help="keep the library frames (and every thread of the rank) unfolded")
     @line_magic
@@ -301,7 +326,7 @@ class XlaMagics(Magics):
     @argument(
         "--launch", metavar="TEMPLATE",
         help="with --hosts: the command that runs the engine on a host, with {host} and {index} "
-        "(default: 'ssh -T -o BatchMode=yes {host}'; e.g. 'ip netns exec ns{index}', "
+        f"(default: '{DEFAULT_TEMPLATE}'; e.g. 'ip netns exec ns{{index}}', "
         "'kubectl exec -i worker-{index} --')",
     )
     @spmd_arguments
@@ -330,11 +355,11 @@ class XlaMagics(Magics):
 
         ``%xla_pool start --hosts A,B [--devices N] [--launch TEMPLATE]``
         spans several hosts as one world: an ipyparallel engine on each host
-        (started by the launch template, ``ssh {host}`` by default) runs
+        (started by the launch template, see ``--launch`` for its default) runs
         that host's launcher and N ranks; cells then see ``rank`` (global),
         ``world_size`` (every host), ``local_rank`` and ``host``, output is
         tagged ``[hH rN]``, and the value lists every global rank's result.
-        See docs/several-hosts.md.
+        The documentation's Several hosts page tells more.
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)

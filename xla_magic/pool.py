@@ -102,6 +102,12 @@ class Pool(Protocol):
     def describe(self) -> str:
         """One line: kind, size, state."""
 
+    def label(self, rank: int) -> str:
+        """How output and errors name (global) rank ``rank``: ``rank 3``, ``spmd``, ``h1 r3``."""
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        """Where every rank is now, by (global) rank, threads a cell left running included (``%xla_stacks``)."""
+
 
 def check_rank(rank: int | None, size: int, where: str) -> None:
     """``--rank`` must name one of the pool's ``size`` ranks."""

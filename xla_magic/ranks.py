@@ -37,7 +37,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, frame_writer, probe, protocol, sharding, transport
+from xla_magic import compile_cache, frame_writer, probe, sharding
+from xla_magic.wire import protocol, transport
+from xla_magic.hosts import naming
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
 from xla_magic.policy import RESTART_HINT, Policy
 from xla_magic.shipping import Shipping
@@ -210,7 +212,7 @@ class Ranks:
     def label(self, rank: int) -> str:
         """The tag of a rank's output and errors: ``rank N``, ``spmd``, or on several hosts ``hH rN`` (N global)."""
         if self.world:
-            return f"h{self.world['host']} r{self.world['rank_offset'] + rank}"
+            return naming.tag(self.world['host'], self.world['rank_offset'] + rank)
         return "spmd" if self.one_value else f"rank {rank}"
 
     def name(self, rank: int) -> str:

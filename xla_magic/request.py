@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol, rank_display, transport
+from xla_magic import rank_display
+from xla_magic.wire import protocol, transport
 from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.policy import RESTART_HINT
@@ -311,7 +312,7 @@ class Request:
             self._take_result(rank, fields)
         elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
             self.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
-            if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_trace.Reader
+            if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_lanes.Reader
                 self.on_update(self.record)
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":

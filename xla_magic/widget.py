@@ -87,8 +87,8 @@ class Snapshot:
 def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
-        facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher)] + pool_facts(session.current_pool()) + spmd_fact(session)
+        facts=[devices_fact(), versions_fact(session.host.launcher), kernel_fact(),
+               launcher_fact(session.host.launcher)] + pool_facts(session.current_pool()) + spmd_fact(session)
               + [cache_fact(session)],
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),

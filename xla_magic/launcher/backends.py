@@ -34,7 +34,7 @@ import socket
 import traceback
 from typing import Any, Callable
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
 from xla_magic.launcher import strategy as strategy_module
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.launcher.xla_analysis import claim_analysis, parse_analysis, read_analysis
 
 SYNC_FRAMES = 12  # how far up from .item() to look for a cell's line

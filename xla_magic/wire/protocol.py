@@ -1,4 +1,4 @@
-"""Event types and framing shared by the kernel, the launcher and the ranks.
+"""Event types and framing shared by the kernel, the launcher and the ranks. Runs on both sides.
 
 Runs in every process. Imports nothing heavy and nothing from the rest of the
 package, so the launcher side can use it without touching the kernel side.
