@@ -86,7 +86,7 @@ class Request:
         self.output = TaggedOutput(
             lines_per_rank=None if ranks.world else DEFAULT_LINES_PER_RANK,
             log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live,
-            label=ranks.label,
+            label=ranks.label, quiet=ranks.quiet_line,
         )
         self.results: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
@@ -333,6 +333,8 @@ class Request:
             self.ranks.thread_ranks.add(rank)
         if fields.get("memory") is not None:
             state.memory = fields["memory"]
+        if fields.get("state") == "ready":
+            self.ranks.cache_reported(rank, fields.get("compile_cache"))
         if fields.get("state") == "ready" and rank in self.targets and self.sent and self.frame is None:
             self.rank_state(rank, "running")  # its request came with the job: it runs it now
         else:

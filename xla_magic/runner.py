@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, policy, probe, profile_view, sharding, xla_report
+from xla_magic import compile_cache, payload, place, policy, probe, profile_view, sharding, xla_report
 from xla_magic.wire import protocol
 from xla_magic.display import RunInterrupted
 from xla_magic.history import History
@@ -60,6 +60,7 @@ class Runner:
         self.history = history
         self.workdir = PrivateDir()
         self.launcher: Launcher | None = None
+        self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
 
     # -- the launcher ------------------------------------------------------
 
@@ -91,7 +92,8 @@ class Runner:
     def one_shot(self, cell: Cell, world: protocol.World | None = None) -> Any:
         """``cell`` in ranks spawned for it alone (one host's part of ``world``, if given), then ended."""
         placement = plan(cell.backend, cell.devices, "%%xla_spawn", cell.spmd)
-        ranks = Ranks(placement, policy.ONE_SHOT, requested_backend=cell.backend, workdir=self.workdir, world=world)
+        ranks = Ranks(placement, policy.ONE_SHOT, requested_backend=cell.backend, workdir=self.workdir, world=world,
+                      cache=compile_cache.resolve(cell.compile_cache))
         try:
             return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
@@ -139,6 +141,8 @@ class Runner:
             try:
                 return ranks.value(request.wait())
             finally:
+                if launching:
+                    self.tell_cache(ranks)
                 xla_report.after_cell(record)
                 if reader is not None:
                     self.history.listeners.remove(reader.notice)
@@ -182,6 +186,12 @@ class Runner:
         request.start()
         request.wait()
         return request
+
+    def tell_cache(self, ranks: Ranks) -> None:
+        """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""
+        line = compile_cache.problem_line(ranks.cache_facts, self.cache_told)
+        if line:
+            xla_report.say(line)
 
     @staticmethod
     def guard_kernel(ranks: Ranks) -> None:

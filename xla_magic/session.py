@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 from IPython.core.error import UsageError
 
 from xla_magic import sharding, watch
+from xla_magic.compile_cache import CacheSetting
 from xla_magic.history import History
 from xla_magic.hosts.pool import HostsPool
 from xla_magic.local_pool import LocalPool
@@ -73,13 +74,14 @@ class Session:
         xla_report: str | None = None,
         profile: bool = False,
         hang_after: float | None = None,
+        compile_cache: CacheSetting | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (``fresh``: in new ranks where it runs), else in new ranks.
 
         Its value: the list by rank, or (SPMD) the one value.
         """
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
-                       profile=profile, hang_after=hang_after)
+                       profile=profile, hang_after=hang_after, compile_cache=compile_cache)
         pool = self.current_pool()
         return self.host.one_shot(request) if pool is None else pool.run_cell(request)
 

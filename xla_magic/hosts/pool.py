@@ -96,6 +96,9 @@ class HostsPool:
                              "hosts with --backend tpu")
         if options.spmd is not None:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
+        if options.compile_cache is not None:
+            raise UsageError("--compile-cache is per host: across hosts each host's ranks use its default, or "
+                             "XLA_MAGIC_COMPILE_CACHE in the environment its engine starts with; leave it out")
         if importlib.util.find_spec("ipyparallel") is None:
             raise UsageError("a pool across hosts runs on ipyparallel, which is not installed in this kernel: "
                              "pip install 'ipyparallel>=8.6' (the hosts extra) here and on every host, then start it again")
