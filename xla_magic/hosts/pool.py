@@ -133,21 +133,16 @@ class HostsPool:
         self.backend = options.backend or self.backend
         self.hang_after = options.hang_after or self.hang_after
         self.state, self.problem, self.cells, self.started = "starting", None, 0, time.time()
-        began = time.monotonic()
-        try:
-            self._start_ranks()
-        except BaseException:
-            self.stop()
-            raise
-        self.start_seconds = time.monotonic() - began
-        self.state = "ready"
+        self.start_all(with_cluster=False)
         return self
 
-    def start_all(self) -> None:
-        """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
+    def start_all(self, with_cluster: bool = True) -> None:
+        """The controller and an engine per host (unless the cluster is kept), then every host's ranks; on any
+        failure nothing is left."""
         began = time.monotonic()
         try:
-            self._start_cluster()
+            if with_cluster:
+                self._start_cluster()
             self._start_ranks()
         except BaseException:
             self.stop()
