@@ -37,6 +37,7 @@ from xla_magic.wire import protocol
 
 
 NEWS = "xla_magic"  # the key of a host's live news in its call's ipyparallel data
+QUIET_NEWS = 0.25  # s: a running cell's news start this long after it began (a trivial cell's never go)
 
 
 class HostFailure(TypedDict):
@@ -82,6 +83,8 @@ class Here:
         Sent as ipyparallel data (``publish_data``) on the engine's IOPub while the call runs: the engine
         answers nothing else until the call ends. Never raises: it is a listener."""
         try:
+            if record.outcome != "running" or (not record.stacks and time.time() - record.started < QUIET_NEWS):
+                return  # its end comes as the call's answer; a cell this short has no news for the panel yet
             news = {"run": record.run_id, "ranks": {rank: (state.state, state.where)
                                                     for rank, state in record.ranks.items()},
                     "stacks": dict(record.stacks), "since": dict(record.arrived)}
