@@ -14,7 +14,8 @@ from xla_magic.kernel_strategy import strategy
 __all__ = ["strategy", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
 
-_MAGIC_NAMES = {"cell": ("xla_spawn",), "line": ("xla_status", "xla_pool", "xla_report", "xla_profile")}
+_MAGIC_NAMES = {"cell": ("xla_spawn",),
+                "line": ("xla_status", "xla_pool", "xla_report", "xla_profile", "xla_stacks", "xla_debug")}
 
 
 def load_ipython_extension(ipython: Any) -> None:
@@ -24,8 +25,10 @@ def load_ipython_extension(ipython: Any) -> None:
     if getattr(ipython, "_xla_magic_session", None) is not None:
         return
     session = Session()
-    ipython.register_magics(XlaMagics(ipython, session))
+    magics = XlaMagics(ipython, session)
+    ipython.register_magics(magics)
     ipython._xla_magic_session = session
+    ipython._xla_magic_ipython_debug = magics.ipython_debug
     if os.environ.get("XLA_MAGIC_PREWARM", "1") != "0":
         _prewarm(session)
 
@@ -52,6 +55,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         for kind, names in _MAGIC_NAMES.items():
             for name in names:
                 magics[kind].pop(name, None)
+        for kind, original in zip(("line", "cell"), getattr(ipython, "_xla_magic_ipython_debug", (None, None))):
+            if original is not None:
+                magics[kind]["debug"] = original  # IPython's own %debug again
         session.close()
     finally:
         # Even if closing was cut short: a later %load_ext must start afresh.

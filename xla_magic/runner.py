@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, policy, probe, profile_view, protocol, sharding, xla_report
-from xla_magic.display import RunInterrupted
+from xla_magic import payload, place, policy, post_mortem, probe, profile_view, protocol, sharding, xla_report
+from xla_magic.display import RankError, RunInterrupted
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pool import Cell
 from xla_magic.ranks import Ranks
@@ -66,6 +66,7 @@ class Runner:
         self.last_cell: RunRecord | None = None
         self.last_profiled: RunRecord | None = None  # the last --profile cell, for %xla_profile
         self.shows_profiles = True  # False on one of several hosts: the kernel shows every host's (hosts/profiles.py)
+        self.post_mortem: post_mortem.PostMortem | None = None  # what %debug opens, until the next cell
 
     # -- the launcher ------------------------------------------------------
 
@@ -101,10 +102,12 @@ class Runner:
         try:
             return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
-            ranks.stop()
+            if self.post_mortem is None or self.post_mortem.ranks is not ranks:
+                ranks.stop()  # else its failed ranks are kept for %debug, until the next cell
 
     def cell(self, ranks: Ranks, cell: Cell, report: str = "auto", hang_after: float | None = None) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
+        self.release_post_mortem()  # before anything of this cell starts: a kept one-shot set may hold the devices
         run_id = self.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
@@ -144,6 +147,12 @@ class Runner:
                 self.listeners.append(reader.notice)
             try:
                 return ranks.value(request.wait())
+            except RankError as error:
+                if post_mortem.keeps(ranks, error):
+                    self.post_mortem = post_mortem.PostMortem(ranks, error, run_id)
+                    error.post_mortem = self.post_mortem
+                    error.debug_note = self.post_mortem.note()
+                raise
             finally:
                 xla_report.after_cell(record)
                 if reader is not None:
@@ -159,6 +168,7 @@ class Runner:
 
     def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
         """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
+        self.release_post_mortem()
         launcher = self.ready_launcher()
         self.remember(record)
         try:
@@ -180,7 +190,9 @@ class Runner:
 
     def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
                  **fields: Any) -> Request:
-        """A push or pull to ``ranks``, followed to the end."""
+        """A push, a pull or a DEBUG to ``ranks``, followed to the end."""
+        if kind != protocol.DEBUG:
+            self.release_post_mortem()  # the ranks drop a failed cell's frames at any other request
         seq = ranks.next_seq()
         record = self.record(self.next_run_id(), label, ranks)
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
@@ -188,6 +200,31 @@ class Runner:
         request.start()
         request.wait()
         return request
+
+    def debug(self, rank: int | None = None, error: RankError | None = None) -> None:
+        """``%debug`` / ``%xla_debug``: pdb in the failed cell's frame on ``rank`` (the first failure), until left.
+
+        ``error``: the exception IPython last showed; it must be the kept cell's.
+        """
+        kept = self.post_mortem
+        if error is not None and (error.post_mortem is None or error.post_mortem is not kept):
+            raise UsageError(post_mortem.NOT_KEPT if error.post_mortem is None else
+                             "that cell's ranks no longer hold its frames: a rank keeps them until the next cell")
+        if kept is None:
+            raise UsageError(f"no failed %%xla_spawn cell to debug: %debug opens the frame of a rank whose cell "
+                             f"failed, until the next cell ({post_mortem.NOT_KEPT.split(': ', 1)[1]})")
+        target = kept.choose(rank)
+        print(kept.opening(target), flush=True)
+        try:
+            self.exchange(kept.ranks, protocol.DEBUG, f"%debug (rank {target} of cell {kept.run_id})", [target], False)
+        finally:
+            if kept.parked:
+                self.release_post_mortem()
+
+    def release_post_mortem(self) -> None:
+        kept, self.post_mortem = self.post_mortem, None
+        if kept is not None:
+            kept.release()
 
     @staticmethod
     def guard_kernel(ranks: Ranks) -> None:
@@ -222,6 +259,7 @@ class Runner:
     def close(self) -> None:
         """Stop the launcher and remove the private directory."""
         try:
+            self.release_post_mortem()
             self.drop_launcher()
         finally:
             self.workdir.close()

@@ -101,6 +101,7 @@ class Session(Runner):
     def stop_pool(self) -> bool:
         """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
         pool, self.pool = self.current_pool(), None
+        self.release_post_mortem()
         if pool is None:
             return False
         pool.stop()
@@ -114,12 +115,12 @@ class Session(Runner):
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
         return self._usable_pool().pull(name, rank)
 
-    def stacks(self, rank: int | None, everything: bool) -> list[str]:
+    def stacks(self, rank: int | None, everything: bool, with_locals: bool = False) -> list[str]:
         """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's on this host now.
 
         A pool across hosts has no ranks here to ask (its engines answer one call at a time): there only
         the last cell's stacks show."""
-        return watch.report(self.history, getattr(self.current_pool(), "ranks", None), rank, everything)
+        return watch.report(self.history, getattr(self.current_pool(), "ranks", None), rank, everything, with_locals)
 
     def describe_pool(self) -> str:
         pool = self.current_pool()
