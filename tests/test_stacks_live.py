@@ -275,8 +275,17 @@ def at(kind: str, call: str, line: int) -> dict:
     pytest.param({0: at("sync", "torch_xla.sync", 4), 1: at("sync", "torch_xla.sync", 4)}, None,
                  id="a-long-compile-on-every-rank-is-only-slow"),
     pytest.param({0: at("sleep", "time.sleep", 2), 1: at("sleep", "time.sleep", 2)}, None, id="every-rank-sleeping"),
-    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("python", None, 6)}, None,
-                 id="a-rank-still-running-python-may-yet-come"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("python", None, 6)},
+                 r"xla_magic: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 is running Python at line 6, "
+                 r"not in it\. A wait while a rank works elsewhere, not a hang \(yet\)\.$",
+                 id="a-rank-still-running-python-is-a-wait-not-a-hang"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: {"unanswered": stacks.GIL_BUSY}},
+                 r"xla_magic: likely a hang: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 has not answered "
+                 r"for 9 s: busy in native code that holds the GIL\. ", id="a-rank-not-answering-and-one-waiting-both-named"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: dict(at("python", None, 4), phase="debugger")}, None,
+                 id="a-rank-in-the-debugger-is-never-a-hang"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: dict(at("python", None, 4), phase="input")}, None,
+                 id="a-rank-waiting-for-input-is-never-a-hang"),
     pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("collective", "xm.rendezvous('x')", 5)},
                  r"xla_magic: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 has waited 9 s in "
                  r"xm.rendezvous\('x'\) \(line 5\)\. Ranks waiting at different collectives", id="different-collectives"),

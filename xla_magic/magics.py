@@ -272,9 +272,13 @@ class XlaMagics(Magics):
     def debug(self, line: str = "", cell: str | None = None) -> Any:
         """IPython's %debug; after a failed %%xla_spawn cell, pdb in the failing rank's frame (see %xla_debug)."""
         error = getattr(sys, "last_value", None)
-        if cell is None and not line.strip() and isinstance(error, RankError):
-            self.session.debug(None, error)
-            return None
+        if cell is None and not line.strip():
+            if isinstance(error, RankError):
+                self.session.debug(None, error)
+                return None
+            if isinstance(error, UsageError) and self.session.post_mortem is not None:
+                self.session.debug(None)  # a mistyped magic since (no traceback to debug): still the failed cell's
+                return None
         line_debug, cell_debug = self.ipython_debug
         if cell is not None and cell_debug is not None:
             return cell_debug(line, cell)
