@@ -225,6 +225,44 @@ def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thr
     assert re.search(r"xla_magic/launcher/serve\.py:\d+ in serve", captured.stdout)  # --all: library frames too
 
 
+def test_xla_stacks_locals_shows_why_ranks_wait_apart_with_short_values(pool):
+    """Under each cell frame its names: rank 0's step 3 and rank 1's step 4; a tensor as dtype and shape only."""
+    cell = (
+        "import time, torch, torch_xla.core.xla_model as xm\n"
+        "step = rank + 3\n"
+        "batch = torch.zeros(4, 8, device=device)\n"
+        "note = 'x' * 500\n"
+        "def train(step):\n"
+        "    inner = step * 2\n"
+        "    if rank == 0:\n"
+        "        time.sleep(600)\n"
+        "    xm.rendezvous('apart')\n"
+        "print('in place', flush=True)\n"
+        "train(step)\n"
+    )
+    interrupted(pool, "", cell, lambda record: printed("in place")(record) and record.ranks[1].where.startswith(
+        "waiting in xm.rendezvous"))
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "--locals")
+    lines = captured.stdout.splitlines()
+    rank_0 = lines[lines.index("rank 0: sleeping in time.sleep (line 8)"):]
+    rank_0 = rank_0[:next(i for i, line in enumerate(rank_0[1:], 1) if not line.startswith(" "))]
+    rank_1 = lines[lines.index("rank 1: waiting in xm.rendezvous('apart') (line 9)"):]
+    rank_1 = rank_1[:next(i for i, line in enumerate(rank_1[1:], 1) if not line.startswith(" "))]
+    for block_, step in ((rank_0, 3), (rank_1, 4)):
+        outer = block_.index("    line 11: train(step)")
+        inner = next(i for i, line in enumerate(block_) if line.startswith("    line ") and " in train: " in line)
+        assert f"        step = {step}" in block_[outer:inner] and f"        step = {step}" in block_[inner:]
+        assert f"        inner = {2 * step}" in block_[inner:]
+        assert "        batch = tensor(float32, [4, 8], xla:0)" in block_[outer:inner]
+        noted = next(line for line in block_[outer:inner] if line.startswith("        note = "))
+        assert noted.startswith("        note = 'xxx") and noted.endswith("...") and len(noted) < 90
+    assert "0., 0." not in captured.stdout and "tensor([" not in captured.stdout  # never a tensor's values
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "")
+    assert "step = " not in captured.stdout  # only with --locals
+
+
 # --- through a real Jupyter kernel ------------------------------------------------------------
 
 
