@@ -55,9 +55,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         for kind, names in _MAGIC_NAMES.items():
             for name in names:
                 magics[kind].pop(name, None)
-        for kind, original in zip(("line", "cell"), getattr(ipython, "_xla_magic_ipython_debug", (None, None))):
-            if original is not None:
-                magics[kind]["debug"] = original  # IPython's own %debug again
+        original = getattr(ipython, "_xla_magic_ipython_debug", None)
+        if original is not None:
+            magics["line"]["debug"] = original  # IPython's own %debug again
         session.close()
     finally:
         # Even if closing was cut short: a later %load_ext must start afresh.

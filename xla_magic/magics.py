@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from xla_magic import profile_view, widget, xla_report
@@ -120,8 +120,8 @@ class XlaMagics(Magics):
     def __init__(self, shell: Any, session: Session) -> None:
         super().__init__(shell)
         self.session = session
-        # IPython's own %debug, which ours hands everything to but a failed %%xla_spawn cell
-        self.ipython_debug = (shell.find_line_magic("debug"), shell.find_cell_magic("debug")) if shell else (None, None)
+        # IPython's own line %debug, which ours hands everything to but a failed %%xla_spawn cell (%%debug stays its own)
+        self.ipython_debug = shell.find_line_magic("debug") if shell else None
 
     @magic_arguments()
     @argument(
@@ -268,23 +268,20 @@ class XlaMagics(Magics):
         args = parse_argstring(self.xla_debug, line)
         self.session.debug(args.rank)
 
-    @line_cell_magic
-    def debug(self, line: str = "", cell: str | None = None) -> Any:
+    @line_magic
+    def debug(self, line: str = "") -> Any:
         """IPython's %debug; after a failed %%xla_spawn cell, pdb in the failing rank's frame (see %xla_debug)."""
         error = getattr(sys, "last_value", None)
-        if cell is None and not line.strip():
+        if not line.strip():
             if isinstance(error, RankError):
                 self.session.debug(None, error)
                 return None
             if isinstance(error, UsageError) and self.session.post_mortem is not None:
                 self.session.debug(None)  # a mistyped magic since (no traceback to debug): still the failed cell's
                 return None
-        line_debug, cell_debug = self.ipython_debug
-        if cell is not None and cell_debug is not None:
-            return cell_debug(line, cell)
-        if line_debug is None:
+        if self.ipython_debug is None:
             raise UsageError("IPython's %debug is not there to hand this to")
-        return line_debug(line)
+        return self.ipython_debug(line)
 
     @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")

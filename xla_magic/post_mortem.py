@@ -52,7 +52,7 @@ class PostMortem:
     def note(self) -> str:
         """The line under the cell's error that says what %debug opens, and for how long."""
         first = self.ranks.name(self.debuggable[0])
-        others = (f"; %xla_debug --rank R opens another's ({', '.join(map(str, self.debuggable[1:]))})"
+        others = (f"; %xla_debug --rank R opens another's ({', '.join(map(str, sorted(self.debuggable[1:])))})"
                   if len(self.debuggable) > 1 else "")
         if self.parked:
             kept = "its process is kept for it until the next cell, or until you leave the debugger"

@@ -175,6 +175,8 @@ def _short(value: Any, depth: int) -> str:
     if kind in _PLAIN:
         return repr(value) if kind not in (str, bytes) or len(value) <= REPR_CHARS else repr(value[:REPR_CHARS]) + "..."
     torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.device):
+        return repr(value)
     if torch is not None and isinstance(value, torch.Tensor):
         return f"tensor({str(value.dtype).removeprefix('torch.')}, {list(value.shape)}, {value.device})"
     numpy = sys.modules.get("numpy")
