@@ -225,6 +225,34 @@ def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thr
     assert re.search(r"xla_magic/launcher/serve\.py:\d+ in serve", captured.stdout)  # --all: library frames too
 
 
+def test_a_rank_waiting_while_another_runs_python_elsewhere_is_worded_as_a_wait(pool, tmp_path):
+    """Rank 0 in a rendezvous past --hang-after while rank 1 loops: a wait, named as one; rank 1 then comes."""
+    go = tmp_path / "go"
+    cell = (
+        "import os, torch_xla.core.xla_model as xm\n"
+        f"go = {str(go)!r}\n"
+        "if rank == 1:\n"
+        "    n = 0\n"
+        "    while not os.path.exists(go):\n"
+        "        n += 1\n"
+        "xm.rendezvous('late')\n"
+        "rank\n"
+    )
+
+    def release(record: RunRecord) -> None:
+        if record.hang and not go.exists():
+            go.touch()  # the line was said: let rank 1 reach the rendezvous
+
+    with Listening(pool._xla_magic_session, release), capture_output() as captured:
+        value = pool.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g}", cell)
+    assert value == [0, 1]
+    line = pool._xla_magic_session.history[-1].hang
+    assert re.fullmatch(r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('late'\) \(line 7\); rank 1 is running "
+                        r"Python at line [56], not in it\. A wait while a rank works elsewhere, not a hang \(yet\)\.",
+                        line), line
+    assert line in captured.stdout
+
+
 def test_xla_stacks_locals_shows_why_ranks_wait_apart_with_short_values(pool):
     """Under each cell frame its names: rank 0's step 3 and rank 1's step 4; a tensor as dtype and shape only."""
     cell = (
