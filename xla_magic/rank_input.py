@@ -35,10 +35,11 @@ def answer(request: Request, rank: int, fields: dict[str, Any]) -> dict[str, Any
     why = fields.get("why", "input")
     what = "the debugger's prompt" if why == "debugger" else "getpass" if fields.get("password") else "input()"
     who = ranks.name(rank)
-    if request.stop_reason is not None:
+    if request.stop_reason is not None or request.watch.capturing:
         return {"eof": STOPPING.format(what=what, who=who)}
     line = fields.get("line")
     state = request.record.ranks.get(rank)
+    before_where = state.where if state is not None else ""
     if state is not None:  # the status panel's "where", while the prompt is open
         at = f"line {line}" if line is not None else "post-mortem" if why == "debugger" else "outside the cell's lines"
         state.where = f"in the debugger ({at})" if why == "debugger" else f"waiting for input ({at})"
@@ -51,4 +52,6 @@ def answer(request: Request, rank: int, fields: dict[str, Any]) -> dict[str, Any
         return {"eof": NO_STDIN.format(what=what, who=who)}
     except (EOFError, OSError):  # OSError: a stdin that cannot be read at all (pytest's capture, say)
         return {"eof": ENDED.format(what=what, who=who)}
+    if state is not None:
+        state.where = before_where  # answered: the sampler says where it is next
     return {"text": text}

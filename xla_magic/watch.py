@@ -53,6 +53,11 @@ class Watch:
         self._shown: str | None = None
         self._capturing = False
 
+    @property
+    def capturing(self) -> bool:
+        """Asking where the ranks are at a stop (its pump must not open a prompt)."""
+        return self._capturing
+
     # -- answers -----------------------------------------------------------
 
     def take(self, rank: int, fields: dict[str, Any]) -> None:
