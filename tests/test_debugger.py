@@ -206,7 +206,7 @@ def test_debug_opens_the_spmd_process_frame_after_its_one_shot_cell_failed(kerne
     assert "%debug opens the SPMD process's frame where it failed" in failed
     text = asked(kernel, "%debug", ["p tuple(t.shape)", "p t.sum().item()", "q"])
     assert "%debug: the SPMD process of cell" in text
-    assert "[spmd] (2, 3)\n[spmd] 15.0\n" in text
+    assert "[spmd] (2, 3)\n" in text and "[spmd] 15.0\n" in text  # (XLA may warn between, as it compiles the sum)
 
 
 # --- through the real shell: the tpu launch path's rank threads, and the watchdog at the prompt ----------
