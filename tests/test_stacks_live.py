@@ -246,11 +246,11 @@ def test_a_rank_waiting_while_another_runs_python_elsewhere_is_worded_as_a_wait(
     with Listening(pool._xla_magic_session, release), capture_output() as captured:
         value = pool.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g}", cell)
     assert value == [0, 1]
+    said = (r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('late'\) \(line 7\); rank 1 is running Python at "
+            r"line [56], not in it\. A wait while a rank works elsewhere, not a hang \(yet\)\.")
     line = pool._xla_magic_session.history[-1].hang
-    assert re.fullmatch(r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('late'\) \(line 7\); rank 1 is running "
-                        r"Python at line [56], not in it\. A wait while a rank works elsewhere, not a hang \(yet\)\.",
-                        line), line
-    assert line in captured.stdout
+    assert re.fullmatch(said, line), line
+    assert re.search(f"^{said}$", captured.stdout, re.MULTILINE), captured.stdout  # printed once, in a terminal
 
 
 def test_xla_stacks_locals_shows_why_ranks_wait_apart_with_short_values(pool):
