@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import builtins
 import getpass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from IPython.core.error import StdinNotImplementedError
-
-if TYPE_CHECKING:
-    from xla_magic.request import Request
 
 NO_STDIN = ("this frontend sends no input to the kernel (allow_stdin is off, as in nbconvert and nbclient runs), "
             "so nothing can answer {what} on {who}")
@@ -29,22 +26,26 @@ ENDED = "the kernel's input ended (Ctrl-D, or its stdin is closed), so nothing a
 STOPPING = "the cell is being stopped, so {what} on {who} is not asked"
 
 
-def answer(request: Request, rank: int, fields: dict[str, Any]) -> dict[str, Any]:
-    """The INPUT_REPLY's fields for ``rank``'s question: the line typed, or why there is none."""
-    ranks = request.ranks
+def answer(ranks: Any, record: Any, output: Any, rank: int, fields: dict[str, Any], stopping: bool,
+           on_update: Callable[[Any], None]) -> dict[str, Any]:
+    """The INPUT_REPLY's fields for ``rank``'s question: the line typed, or why there is none.
+
+    ``ranks`` names the rank, ``record`` holds the panel's "where", ``output`` the rank's line in progress
+    (request.py's); ``stopping``: the request is being stopped, so nothing is asked.
+    """
     why = fields.get("why", "input")
     what = "the debugger's prompt" if why == "debugger" else "getpass" if fields.get("password") else "input()"
     who = ranks.name(rank)
-    if request.stop_reason is not None or request.watch.capturing:
+    if stopping:
         return {"eof": STOPPING.format(what=what, who=who)}
     line = fields.get("line")
-    state = request.record.ranks.get(rank)
+    state = record.ranks.get(rank)
     before_where = state.where if state is not None else ""
     if state is not None:  # the status panel's "where", while the prompt is open
         at = f"line {line}" if line is not None else "post-mortem" if why == "debugger" else "outside the cell's lines"
         state.where = f"in the debugger ({at})" if why == "debugger" else f"waiting for input ({at})"
-        request.on_update(request.record)
-    before = request.output.take_partial(rank, "stdout")  # print('name:', end=''); input()
+        on_update(record)
+    before = output.take_partial(rank, "stdout")  # print('name:', end=''); input()
     prompt = f"[{ranks.label(rank)}] {before}{fields.get('prompt', '')}"
     try:
         text = getpass.getpass(prompt) if fields.get("password") else builtins.input(prompt)

@@ -29,7 +29,7 @@ import threading
 import types
 from typing import Any
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 
 CELL_FILE = "<xla_spawn cell"
 REPLY_POLL = 0.2  # a rank thread takes an interrupt between bytecodes, so it waits for the reply in slices
