@@ -373,10 +373,27 @@ class Kernel:
         from jupyter_client.manager import start_new_kernel
 
         self.manager, self.client = start_new_kernel(kernel_name=kernel_name, startup_timeout=60)
+        self.prompts: list[tuple[str, bool]] = []  # what the kernel asked for (see run's answers)
 
-    def run(self, code: str, timeout: float = KERNEL_TIMEOUT, on_output=None) -> tuple[dict, str]:
-        """Run one cell; its reply's content and the text it showed (streams, errors, results), colours removed."""
+    def run(self, code: str, timeout: float = KERNEL_TIMEOUT, on_output=None,
+            answers: list[str] | None = None, on_prompt=None, allow_stdin: bool | None = None) -> tuple[dict, str]:
+        """Run one cell; its reply's content and the text it showed (streams, errors, results), colours removed.
+
+        With ``answers`` the kernel may ask for input (``allow_stdin``): each ``input_request`` is answered, as
+        a frontend does, with the next answer, and its (prompt, password) appended to ``self.prompts``; or, with
+        ``on_prompt``, by what ``on_prompt(self, prompt)`` does (answer, or interrupt the kernel).
+        ``allow_stdin=False``: a frontend that sends no input (as nbclient).
+        """
         chunks: list[str] = []
+        left = list(answers or ())
+
+        def stdin_hook(msg):
+            content = msg["content"]
+            self.prompts.append((content["prompt"], content["password"]))
+            if on_prompt is not None:
+                on_prompt(self, content["prompt"])
+            else:
+                self.client.input(left.pop(0) if left else "")
 
         def hook(msg):
             content = msg["content"]
@@ -391,7 +408,10 @@ class Kernel:
 
         # stop_on_error=False: ipykernel 6 would otherwise abort the next request if it
         # arrives just after an expected error (Colab's stack).
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook, stop_on_error=False)
+        stdin = {"allow_stdin": True, "stdin_hook": stdin_hook} if answers is not None or on_prompt is not None else {}
+        if allow_stdin is not None:
+            stdin["allow_stdin"] = allow_stdin
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook, stop_on_error=False, **stdin)
         return reply["content"], strip_ansi("".join(chunks))
 
     @property

@@ -315,6 +315,13 @@ def check_case(ip, spawn, mode: str, case: Case, marks: str) -> None:
         assert said == [f"[rank 0] line {i}" for i in range(case.last_words)], (
             f"{len(said)} of {case.last_words} lines arrived, or out of order"
         )
+    post_mortem = ip._xla_magic_session.post_mortem
+    if mode == "one-shot" and post_mortem is not None:  # the failed ranks stay for %debug until the next cell, alone
+        assert isinstance(error, RankError) and error.post_mortem is post_mortem and post_mortem.parked
+        parked = {post_mortem.ranks.pids[rank] for rank in post_mortem.debuggable}
+        assert set(post_mortem.debuggable) <= set(error.ranks) and all(psutil.pid_exists(pid) for pid in parked)
+        ip._xla_magic_session.release_post_mortem()  # as the next cell does
+        assert wait_gone(parked) == []
     started = {int(name) for name in os.listdir(marks) if name.isdigit()}
     pool = ip._xla_magic_session.pool
     kept = mode == "pool" and pool is not None and pool.state not in ("broken", "stopped")

@@ -83,7 +83,9 @@ def test_an_exception_shows_the_cells_traceback_tagged_spmd(ip):
     assert str(error).startswith("the SPMD process failed: ValueError: no luck on 8 devices")
     lines = [strip_ansi(line) for line in error.render_lines()]
     assert "[spmd]     raise ValueError(f'no luck on {world_size} devices')" in lines
-    assert all(line.startswith("[spmd]") for line in lines[1:])
+    assert lines[-1] == ("%debug opens the SPMD process's frame where it failed: its process is kept for it until "
+                         "the next cell, or until you leave the debugger.")
+    assert all(line.startswith("[spmd]") for line in lines[1:-1])
     assert "the SPMD process failed" in lines[0]
 
 

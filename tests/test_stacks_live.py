@@ -225,6 +225,72 @@ def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thr
     assert re.search(r"xla_magic/launcher/serve\.py:\d+ in serve", captured.stdout)  # --all: library frames too
 
 
+def test_a_rank_waiting_while_another_runs_python_elsewhere_is_worded_as_a_wait(pool, tmp_path):
+    """Rank 0 in a rendezvous past --hang-after while rank 1 loops: a wait, named as one; rank 1 then comes."""
+    go = tmp_path / "go"
+    cell = (
+        "import os, torch_xla.core.xla_model as xm\n"
+        f"go = {str(go)!r}\n"
+        "if rank == 1:\n"
+        "    n = 0\n"
+        "    while not os.path.exists(go):\n"
+        "        n += 1\n"
+        "xm.rendezvous('late')\n"
+        "rank\n"
+    )
+
+    def release(record: RunRecord) -> None:
+        if record.hang and not go.exists():
+            go.touch()  # the line was said: let rank 1 reach the rendezvous
+
+    with Listening(pool._xla_magic_session, release), capture_output() as captured:
+        value = pool.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g}", cell)
+    assert value == [0, 1]
+    said = (r"xla_magic: rank 0 has waited \d+ s in xm.rendezvous\('late'\) \(line 7\); rank 1 is running Python at "
+            r"line [56], not in it\. A wait while a rank works elsewhere, not a hang \(yet\)\.")
+    line = pool._xla_magic_session.history[-1].hang
+    assert re.fullmatch(said, line), line
+    assert re.search(f"^{said}$", captured.stdout, re.MULTILINE), captured.stdout  # printed once, in a terminal
+
+
+def test_xla_stacks_locals_shows_why_ranks_wait_apart_with_short_values(pool):
+    """Under each cell frame its names: rank 0's step 3 and rank 1's step 4; a tensor as dtype and shape only."""
+    cell = (
+        "import time, torch, torch_xla.core.xla_model as xm\n"
+        "step = rank + 3\n"
+        "batch = torch.zeros(4, 8, device=device)\n"
+        "note = 'x' * 500\n"
+        "def train(step):\n"
+        "    inner = step * 2\n"
+        "    if rank == 0:\n"
+        "        time.sleep(600)\n"
+        "    xm.rendezvous('apart')\n"
+        "print('in place', flush=True)\n"
+        "train(step)\n"
+    )
+    interrupted(pool, "", cell, lambda record: printed("in place")(record) and record.ranks[1].where.startswith(
+        "waiting in xm.rendezvous"))
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "--locals")
+    lines = captured.stdout.splitlines()
+    rank_0 = lines[lines.index("rank 0: sleeping in time.sleep (line 8)"):]
+    rank_0 = rank_0[:next(i for i, line in enumerate(rank_0[1:], 1) if not line.startswith(" "))]
+    rank_1 = lines[lines.index("rank 1: waiting in xm.rendezvous('apart') (line 9)"):]
+    rank_1 = rank_1[:next(i for i, line in enumerate(rank_1[1:], 1) if not line.startswith(" "))]
+    for block_, step in ((rank_0, 3), (rank_1, 4)):
+        outer = block_.index("    line 11: train(step)")
+        inner = next(i for i, line in enumerate(block_) if line.startswith("    line ") and " in train: " in line)
+        assert f"        step = {step}" in block_[outer:inner] and f"        step = {step}" in block_[inner:]
+        assert f"        inner = {2 * step}" in block_[inner:]
+        assert "        batch = tensor(float32, [4, 8], xla:0)" in block_[outer:inner]
+        noted = next(line for line in block_[outer:inner] if line.startswith("        note = "))
+        assert noted.startswith("        note = 'xxx") and noted.endswith("...") and len(noted) < 90
+    assert "0., 0." not in captured.stdout and "tensor([" not in captured.stdout  # never a tensor's values
+    with capture_output() as captured:
+        pool.run_line_magic("xla_stacks", "")
+    assert "step = " not in captured.stdout  # only with --locals
+
+
 # --- through a real Jupyter kernel ------------------------------------------------------------
 
 
@@ -275,8 +341,17 @@ def at(kind: str, call: str, line: int) -> dict:
     pytest.param({0: at("sync", "torch_xla.sync", 4), 1: at("sync", "torch_xla.sync", 4)}, None,
                  id="a-long-compile-on-every-rank-is-only-slow"),
     pytest.param({0: at("sleep", "time.sleep", 2), 1: at("sleep", "time.sleep", 2)}, None, id="every-rank-sleeping"),
-    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("python", None, 6)}, None,
-                 id="a-rank-still-running-python-may-yet-come"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("python", None, 6)},
+                 r"xla_magic: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 is running Python at line 6, "
+                 r"not in it\. A wait while a rank works elsewhere, not a hang \(yet\)\.$",
+                 id="a-rank-still-running-python-is-a-wait-not-a-hang"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: {"unanswered": stacks.GIL_BUSY}},
+                 r"xla_magic: likely a hang: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 has not answered "
+                 r"for 9 s: busy in native code that holds the GIL\. ", id="a-rank-not-answering-and-one-waiting-both-named"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: dict(at("python", None, 4), phase="debugger")}, None,
+                 id="a-rank-in-the-debugger-is-never-a-hang"),
+    pytest.param({0: at("collective", "xm.all_reduce", 3), 1: dict(at("python", None, 4), phase="input")}, None,
+                 id="a-rank-waiting-for-input-is-never-a-hang"),
     pytest.param({0: at("collective", "xm.all_reduce", 3), 1: at("collective", "xm.rendezvous('x')", 5)},
                  r"xla_magic: rank 0 has waited 9 s in xm.all_reduce \(line 3\); rank 1 has waited 9 s in "
                  r"xm.rendezvous\('x'\) \(line 5\)\. Ranks waiting at different collectives", id="different-collectives"),

@@ -52,6 +52,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         for kind, names in ipython._xla_magic_magics.magics.items():
             for name in names:
                 table[kind].pop(name, None)
+        original = ipython._xla_magic_magics.ipython_debug
+        if original is not None:
+            table["line"]["debug"] = original  # IPython's own %debug again, which ours stood in for
         session.close()
     finally:
         # Even if closing was cut short: a later %load_ext must start afresh.

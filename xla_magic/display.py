@@ -12,6 +12,7 @@ cell says where.
 
 from __future__ import annotations
 
+import bdb
 import codecs
 import linecache
 import os
@@ -123,6 +124,14 @@ class TaggedOutput:
         if state is None:
             state = self._streams[(rank, stream)] = _RankStream(rank, stream)
         self._emit(state, lines)
+
+    def take_partial(self, rank: int, stream: str) -> str:
+        """The rank's line in progress, taken (a prompt shows it, as a terminal would before the question)."""
+        state = self._streams.get((rank, stream))
+        if state is None:
+            return ""
+        partial, state.partial = settle_carriage_returns(state.partial), ""
+        return partial
 
     def finish(self) -> list[str]:
         """Flush lines still being written; the paths of any folded logs."""
@@ -314,6 +323,9 @@ class RankError(Exception):
         self.results = results
         self.summary = summary
         self.label = label
+        self.debuggable: list[int] = []  # the failed ranks that keep their cell's frames for %debug, first failure first
+        self.post_mortem: object = None  # what %debug opens (post_mortem.PostMortem), once the runner kept it
+        self.debug_note = ""  # the line that says so
         ranks = ", ".join(str(f.rank) for f in self.failures)
         headline = summary or f"rank(s) {ranks} failed"
         super().__init__(f"{headline}: {self.failures[0].headline()}" if self.failures else headline)
@@ -339,6 +351,8 @@ class RankError(Exception):
                 others = ", ".join(self.label(f.rank).removeprefix("rank ") for f in same[self.SHOW_SAME :])
                 lines.append(f"... ranks {others} failed the same way ({same[0].headline()})")
         lines.extend(self.where)
+        if self.debug_note:
+            lines.append(self.debug_note)
         advice = self.advice()
         if advice:
             lines.append(f"What to do: {advice}")
@@ -354,6 +368,13 @@ class RankError(Exception):
 
     def _render_traceback_(self) -> list[str]:
         return self.render_lines()
+
+
+class DebuggerQuit(RankError, bdb.BdbQuit):
+    """The user quit pdb in a rank's cell (``q``): the cell ends there, as IPython ends a plain cell, with no traceback.
+
+    IPython takes a BdbQuit from a cell silently; the line that says so is printed as it is raised.
+    """
 
 
 class RunInterrupted(KeyboardInterrupt):

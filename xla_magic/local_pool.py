@@ -100,8 +100,8 @@ class LocalPool:
     def label(self, rank: int) -> str:
         return self.ranks.label(rank)
 
-    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
-        return watch.where_now(self.ranks, everything)
+    def where_now(self, everything: bool = False, with_locals: bool = False) -> dict[int, dict[str, Any]]:
+        return watch.where_now(self.ranks, everything, with_locals)
 
     # -- requests ------------------------------------------------------------------
 

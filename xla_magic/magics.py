@@ -16,7 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
-from xla_magic.display import in_notebook, syntax_error_in_cell
+from xla_magic.display import RankError, in_notebook, syntax_error_in_cell
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
 from xla_magic.pool import PoolOptions
@@ -133,6 +133,8 @@ class XlaMagics(Magics):
     def __init__(self, shell: Any, session: Session) -> None:
         super().__init__(shell)
         self.session = session
+        # IPython's own line %debug, which ours hands everything to but a failed %%xla_spawn cell (%%debug stays its own)
+        self.ipython_debug = shell.find_line_magic("debug") if shell else None
 
     @magic_arguments()
     @argument(
@@ -271,6 +273,8 @@ class XlaMagics(Magics):
     @magic_arguments()
     @argument("-r", "--rank", type=int, default=None, help="only this rank's stack")
     @argument("--all", action="store_true", help="keep the library frames (and every thread of the rank) unfolded")
+    @argument("--locals", action="store_true",
+              help="under each cell frame its local names with short values (tensors as dtype and shape)")
     @line_magic
     def xla_stacks(self, line: str) -> None:
         """Show where every rank was when the last cell was stopped or stuck, and where a pool's ranks are now.
@@ -283,8 +287,39 @@ class XlaMagics(Magics):
         frames. See the docs' "Stuck cells".
         """
         args = parse_argstring(self.xla_stacks, line)
-        for text in self.session.stacks(args.rank, args.all):
+        for text in self.session.stacks(args.rank, args.all, args.locals):
             print(text)
+
+    @magic_arguments()
+    @argument("-r", "--rank", type=int, default=None, help="this failed rank's frame (default: the first failure's)")
+    @line_magic
+    def xla_debug(self, line: str) -> None:
+        """Open pdb in the frame where the last failed %%xla_spawn cell raised, on the rank that failed first.
+
+        ``%debug`` does the same after such a cell. The rank's locals, ``up``
+        and ``down`` through the cell's frames (at the cell's line numbers),
+        ``p``, ``pp``, ``l``; ``q`` leaves. A pool's rank keeps the frames
+        until the next cell; a one-shot cell's failed rank is kept for it
+        until the next cell, or until the debugger is left. See the docs'
+        "Debugging a rank".
+        """
+        args = parse_argstring(self.xla_debug, line)
+        self.session.debug(args.rank)
+
+    @line_magic
+    def debug(self, line: str = "") -> Any:
+        """IPython's %debug; after a failed %%xla_spawn cell, pdb in the failing rank's frame (see %xla_debug)."""
+        error = getattr(sys, "last_value", None)
+        if not line.strip():
+            if isinstance(error, RankError):
+                self.session.debug(None, error)
+                return None
+            if isinstance(error, UsageError) and self.session.post_mortem is not None:
+                self.session.debug(None)  # a mistyped magic since (no traceback to debug): still the failed cell's
+                return None
+        if self.ipython_debug is None:
+            raise UsageError("IPython's %debug is not there to hand this to")
+        return self.ipython_debug(line)
 
     @magic_arguments()
     @argument("--text", action="store_true", help="print the facts as text, even in a notebook")

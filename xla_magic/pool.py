@@ -105,8 +105,9 @@ class Pool(Protocol):
     def label(self, rank: int) -> str:
         """How output and errors name (global) rank ``rank``: ``rank 3``, ``spmd``, ``h1 r3``."""
 
-    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
-        """Where every rank is now, by (global) rank, threads a cell left running included (``%xla_stacks``)."""
+    def where_now(self, everything: bool = False, with_locals: bool = False) -> dict[int, dict[str, Any]]:
+        """Where every rank is now, by (global) rank, threads a cell left running included (``%xla_stacks``);
+        ``with_locals``: each cell frame's names too."""
 
 
 def check_rank(rank: int | None, size: int, where: str) -> None:

@@ -246,10 +246,12 @@ class Ranks:
                 self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(unsent.cause).__name__})")
             raise unsent.cause from None
 
-    def ask_where(self, ranks: list[int], probe: int, everything: bool = False) -> list[int]:
-        """Ask ``ranks``' samplers where they are (their answers come on the same sockets); those asked."""
+    def ask_where(self, ranks: list[int], probe: int, everything: bool = False, with_locals: bool = False) -> list[int]:
+        """Ask ``ranks``' samplers where they are (their answers come on the same sockets); those asked.
+
+        ``with_locals``: and each cell frame's local names (launcher/stacks.py: cell_locals)."""
         asked = []
-        frame = protocol.encode(protocol.STACKS, probe=probe, all=everything)
+        frame = protocol.encode(protocol.STACKS, probe=probe, all=everything, locals=with_locals)
         for rank in ranks:
             sock = self.samplers[rank].sock if rank < len(self.samplers) else None
             if sock is None or sock.fileno() < 0:

@@ -30,9 +30,10 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import rank_display
+from xla_magic import rank_display, rank_input
 from xla_magic.wire import protocol, transport
-from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic.display import (DEFAULT_LINES_PER_RANK, DebuggerQuit, LiveLines, RankError, RankFailure, RunInterrupted,
+                               TaggedOutput)
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.policy import RESTART_HINT
 from xla_magic.ranks import Conn, Ranks, describe_exit
@@ -90,6 +91,7 @@ class Request:
         )
         self.results: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
+        self.debuggable: list[int] = []  # failed ranks that keep the cell's frames for %debug, in the order they failed
         self.done: set[int] = set()  # answered DONE
         self.lost: dict[int, float] = {}  # gone before DONE -> when that was noticed
         self.exit_codes: dict[int, int] = {}
@@ -304,6 +306,8 @@ class Request:
             self._take_status(rank, fields)
         elif kind == protocol.DISPLAY:
             self._show(rank, fields)
+        elif kind == protocol.INPUT:
+            self._answer_input(rank, fields)
         elif kind == protocol.STACKS:
             self.watch.take(rank, fields)
         elif fields.get("seq") != self.seq:
@@ -319,6 +323,8 @@ class Request:
                 self.rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
             else:
                 self._fail(rank, fields["type"], fields["message"], fields.get("traceback", ""))
+                if fields.get("post_mortem") and rank not in self.debuggable:
+                    self.debuggable.append(rank)
         elif kind == protocol.DONE:
             self.done.add(rank)
             self.record.ranks[rank].processes = list(fields.get("processes", ()))
@@ -350,6 +356,16 @@ class Request:
                 self.ranks.send(rank, protocol.encode(protocol.SHOWN))
             except OSError:
                 pass  # the rank is gone; its events socket says so
+
+    def _answer_input(self, rank: int, fields: dict[str, Any]) -> None:
+        """A rank asks for a line (input(), pdb): asked here, in the cell's thread, after what it printed before."""
+        self._drain([self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
+        reply = rank_input.answer(self.ranks, self.record, self.output, rank, fields, on_update=self.on_update,
+                                  stopping=self.stop_reason is not None or self.watch.capturing)  # ^C: the cell's
+        try:
+            self.ranks.send(rank, protocol.encode(protocol.INPUT_REPLY, **reply))
+        except OSError:
+            pass  # the rank is gone; its events socket says so
 
     def _handle_supervisor(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == protocol.SPAWNED:
@@ -557,8 +573,18 @@ class Request:
     def _error(self, summary: str) -> RankError:
         if self.record.outcome == "running":
             self._finish("timeout" if self.stop_reason == "timeout" else "failed")
-        return RankError(list(self.failures.values()), dict(self.results), summary, label=self.ranks.label,
-                         where=self.watch.where_lines())
+        failures = list(self.failures.values())
+        if failures and all(failure.type == "BdbQuit" for failure in failures):  # pdb quit (q): no traceback
+            quit = DebuggerQuit(failures, dict(self.results), summary, label=self.ranks.label)
+            others = self.ranks.policy.others_stopped() if self.stop_reason == "failure" else ""
+            for failure in failures:
+                print(f"[{self.ranks.label(failure.rank)}] {failure.message}: the cell stopped there{others}"
+                      f"{self.ranks.policy.broken_note(self.ranks.state == 'broken')}", flush=True)
+            return quit
+        error = RankError(failures, dict(self.results), summary, label=self.ranks.label,
+                          where=self.watch.where_lines())
+        error.debuggable = list(self.debuggable)
+        return error
 
 
 def _listed(ranks: list[int]) -> str:

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, place, policy, probe, profile_view, sharding, xla_report
+from xla_magic import compile_cache, payload, place, policy, post_mortem, probe, profile_view, sharding, xla_report
 from xla_magic.wire import protocol
-from xla_magic.display import RunInterrupted
+from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pool import Cell
@@ -61,6 +61,7 @@ class Runner:
         self.workdir = PrivateDir()
         self.launcher: Launcher | None = None
         self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
+        self.post_mortem: post_mortem.PostMortem | None = None  # what %debug opens, until the next cell
 
     # -- the launcher ------------------------------------------------------
 
@@ -97,10 +98,12 @@ class Runner:
         try:
             return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
-            ranks.stop()
+            if self.post_mortem is None or self.post_mortem.ranks is not ranks:
+                ranks.stop()  # else its failed ranks are kept for %debug, until the next cell
 
     def cell(self, ranks: Ranks, cell: Cell, report: str = "auto", hang_after: float | None = None) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
+        self.release_post_mortem()  # before anything of this cell starts: a kept one-shot set may hold the devices
         run_id = self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
@@ -140,6 +143,12 @@ class Runner:
                 self.history.listeners.append(reader.notice)
             try:
                 return ranks.value(request.wait())
+            except RankError as error:
+                if post_mortem.keeps(ranks, error):
+                    self.post_mortem = post_mortem.PostMortem(ranks, error, run_id)
+                    error.post_mortem = self.post_mortem
+                    error.debug_note = self.post_mortem.note()
+                raise
             finally:
                 if launching:
                     self.tell_cache(ranks)
@@ -157,6 +166,7 @@ class Runner:
 
     def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
         """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
+        self.release_post_mortem()
         launcher = self.ready_launcher()
         self.history.remember(record)
         try:
@@ -178,7 +188,9 @@ class Runner:
 
     def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
                  **fields: Any) -> Request:
-        """A push or pull to ``ranks``, followed to the end."""
+        """A push, a pull or a DEBUG to ``ranks``, followed to the end."""
+        if kind != protocol.DEBUG:
+            self.release_post_mortem()  # the ranks drop a failed cell's frames at any other request
         seq = ranks.next_seq()
         record = self.record(self.history.next_run_id(), label, ranks)
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
@@ -186,6 +198,31 @@ class Runner:
         request.start()
         request.wait()
         return request
+
+    def debug(self, rank: int | None = None, error: RankError | None = None) -> None:
+        """``%debug`` / ``%xla_debug``: pdb in the failed cell's frame on ``rank`` (the first failure), until left.
+
+        ``error``: the exception IPython last showed; it must be the kept cell's.
+        """
+        kept = self.post_mortem
+        if error is not None and (error.post_mortem is None or error.post_mortem is not kept):
+            raise UsageError(post_mortem.NOT_KEPT if error.post_mortem is None else
+                             "that cell's ranks no longer hold its frames: a rank keeps them until the next cell")
+        if kept is None:
+            raise UsageError(f"no failed %%xla_spawn cell to debug: %debug opens the frame of a rank whose cell "
+                             f"failed, until the next cell ({post_mortem.NOT_KEPT.split(': ', 1)[1]})")
+        target = kept.choose(rank)
+        print(kept.opening(target), flush=True)
+        try:
+            self.exchange(kept.ranks, protocol.DEBUG, f"%debug (rank {target} of cell {kept.run_id})", [target], False)
+        finally:
+            if kept.parked:
+                self.release_post_mortem()
+
+    def release_post_mortem(self) -> None:
+        kept, self.post_mortem = self.post_mortem, None
+        if kept is not None:
+            kept.release()
 
     def tell_cache(self, ranks: Ranks) -> None:
         """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""
@@ -212,6 +249,7 @@ class Runner:
     def close(self) -> None:
         """Stop the launcher and remove the private directory."""
         try:
+            self.release_post_mortem()
             self.drop_launcher()
         finally:
             self.workdir.close()

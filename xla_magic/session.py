@@ -125,6 +125,7 @@ class Session:
     def stop_pool(self) -> bool:
         """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
         pool, self.pool = self.current_pool(), None
+        self.release_post_mortem()
         if pool is None:
             return False
         pool.stop()
@@ -138,10 +139,23 @@ class Session:
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
         return self._usable_pool().pull(name, rank)
 
-    def stacks(self, rank: int | None, everything: bool) -> list[str]:
+    def stacks(self, rank: int | None, everything: bool, with_locals: bool = False) -> list[str]:
         """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's ranks now, on
-        this host or across hosts."""
-        return watch.report(self.history, self.current_pool(), rank, everything)
+        this host or across hosts (``with_locals``: each cell frame's names too, where the ranks can say)."""
+        return watch.report(self.history, self.current_pool(), rank, everything, with_locals)
+
+    # -- debugging a rank (post_mortem.py: this host's runner keeps what %debug opens) ----------------
+
+    @property
+    def post_mortem(self) -> Any:
+        return self.host.post_mortem
+
+    def debug(self, rank: int | None = None, error: Any = None) -> None:
+        """``%debug`` / ``%xla_debug``: pdb in the last failed cell's frame on a rank that failed (runner.debug)."""
+        self.host.debug(rank, error)
+
+    def release_post_mortem(self) -> None:
+        self.host.release_post_mortem()
 
     def describe_pool(self) -> str:
         pool = self.current_pool()

@@ -16,6 +16,7 @@ import subprocess
 from typing import Any, Callable
 
 GIL_BUSY = "busy in native code that holds the GIL"
+PROMPTS = ("debugger", "input")  # a rank's phase while it waits at the kernel's prompt (launcher/debugger.py)
 CELL_FRAME = "<xla_spawn cell"
 PYSPY_TIMEOUT = 10.0
 
@@ -51,6 +52,8 @@ def point(answer: dict[str, Any]) -> tuple[str, str, int | None]:
     if answer.get("phase") in ("closing", "idle", "finished", "failed"):
         return ("finished", "", None)
     doing = answer.get("doing") or {}
+    if answer.get("phase") in PROMPTS:  # at the kernel's prompt: the user's, never a hang
+        return ("prompt", answer["phase"], doing.get("line"))
     return (doing.get("kind", "python"), doing.get("call") or "", doing.get("line"))
 
 
@@ -69,6 +72,10 @@ def summary(answer: dict[str, Any]) -> str:
         return "starting (setting up its device)"
     kind, call, line = point(answer)
     at = f"line {line}" if line is not None else "outside the cell's lines"
+    if kind == "prompt":
+        if call == "debugger":
+            return f"in the debugger ({at if line is not None else 'post-mortem'})"
+        return f"waiting for input ({at})"
     if kind == "collective":
         return f"waiting in {call} ({at})"
     if kind == "sync":
@@ -89,15 +96,20 @@ def short_file(path: str) -> str:
     return path
 
 
-def frame_lines(frames: list[Any], everything: bool = False) -> list[str]:
-    """A stack as lines, outermost first: cell lines with their code, library runs folded (unless ``everything``)."""
+def frame_lines(frames: list[Any], everything: bool = False,
+                locals_: dict[int, list[tuple[str, str]]] | None = None) -> list[str]:
+    """A stack as lines, outermost first: cell lines with their code, library runs folded (unless ``everything``).
+
+    ``locals_``: by frame index (innermost 0), the names shown under that cell line.
+    """
     frames = [tuple(frame) for frame in frames]
+    indexes = list(reversed(range(len(frames))))
     outer = list(reversed(frames))
     if not everything:
         first_cell = next((i for i, frame in enumerate(outer) if frame[4]), None)
         if first_cell is None:
             return []
-        outer = outer[first_cell:]
+        outer, indexes = outer[first_cell:], indexes[first_cell:]
     lines: list[str] = []
     run: list[tuple] = []
 
@@ -110,11 +122,13 @@ def frame_lines(frames: list[Any], everything: bool = False) -> list[str]:
         lines.append(f"    {names}  ({count}, innermost {where}:{run[-1][1]} in {run[-1][2]})")
         run.clear()
 
-    for file, line, function, code, is_cell in outer:
+    for index, (file, line, function, code, is_cell) in zip(indexes, outer):
         if is_cell:
             fold()
             inside = "" if function == "<module>" else f" in {function}"
             lines.append(f"    line {line}{inside}: {code}")
+            if locals_ is not None:
+                lines.extend(f"        {name} = {value}" for name, value in locals_.get(index, ()))
         elif everything:
             lines.append(f"    {short_file(file)}:{line} in {function}" + (f": {code}" if code else ""))
         else:
@@ -123,13 +137,13 @@ def frame_lines(frames: list[Any], everything: bool = False) -> list[str]:
     return lines
 
 
-def block_lines(answer: dict[str, Any], everything: bool = False) -> list[str]:
+def block_lines(answer: dict[str, Any], everything: bool = False, with_locals: bool = False) -> list[str]:
     """A rank's stack and the threads its cells left running, without the rank's name."""
     lines = [summary(answer)]
     if answer.get("pyspy"):
         lines.append("    py-spy dump, native frames included:")
         lines.extend(f"      {line}" for line in answer["pyspy"].rstrip().splitlines())
-    lines.extend(frame_lines(answer.get("frames", ()), everything))
+    lines.extend(frame_lines(answer.get("frames", ()), everything, answer.get("locals", {}) if with_locals else None))
     for thread in answer.get("threads", ()):
         lines.append(f"  thread {thread['name']!r}: {summary({'phase': 'cell', 'doing': thread.get('doing')})}")
         lines.extend(frame_lines(thread.get("frames", ()), everything))
@@ -137,11 +151,11 @@ def block_lines(answer: dict[str, Any], everything: bool = False) -> list[str]:
 
 
 def render(where: dict[int, dict[str, Any]], ranks: list[int] | None = None, everything: bool = False,
-           one_value: bool = False, label: Callable[[int], str] | None = None) -> list[str]:
+           one_value: bool = False, label: Callable[[int], str] | None = None, with_locals: bool = False) -> list[str]:
     """Every rank's block; ranks with identical blocks in one, the odd ones first."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for rank in sorted(where if ranks is None else [r for r in ranks if r in where]):
-        groups.setdefault(tuple(block_lines(where[rank], everything)), []).append(rank)
+        groups.setdefault(tuple(block_lines(where[rank], everything, with_locals)), []).append(rank)
     lines: list[str] = []
     for body, members in sorted(groups.items(), key=lambda item: (len(item[1]), item[1][0])):
         lines.append(f"{who(members, one_value, label)}: {body[0]}")
@@ -160,6 +174,8 @@ def hang(where: dict[int, dict[str, Any]], waited: dict[int, float], hang_after:
     likely hang. A compile, a device op or a sleep on every rank is never one.
     """
     points = {rank: point(answer) for rank, answer in where.items()}
+    if any(spot[0] == "prompt" for spot in points.values()):
+        return None  # a rank waits for its user (pdb, input()): the others wait for it, as they would on a TPU
     finished = sorted(rank for rank, at in points.items() if at[0] == "finished")
     waiting = {rank: at for rank, at in points.items() if at[0] in ("collective", "sync", "transfer")}
     others = [rank for rank in points if rank not in finished and rank not in waiting]
@@ -193,6 +209,8 @@ def hang(where: dict[int, dict[str, Any]], waited: dict[int, float], hang_after:
             return (f"xla_magic: likely a hang: {said}; {ended}. On a TPU a sync that holds a collective the "
                     f"finished ranks skipped never completes; interrupt to stop.")
         return None
+    if others and not finished:
+        return _wait_elsewhere(points, others, by_point, waited, hang_after, name, waits)
     if others or not waiting or finished:
         return None  # a rank runs Python or sleeps: it may yet reach the others
     if min(waited.get(rank, 0.0) for rank in waiting) < hang_after:
@@ -208,6 +226,33 @@ def hang(where: dict[int, dict[str, Any]], waited: dict[int, float], hang_after:
         return (f"xla_magic: likely a hang: {said}, with no progress. A collective takes far less when every "
                 f"rank is in it; interrupt to stop (the error shows where each rank was), or raise --hang-after.")
     return None  # every rank compiling, running on the device or copying: only slow
+
+
+def _wait_elsewhere(points: dict[int, tuple], others: list[int], by_point: dict[tuple, list[int]],
+                    waited: dict[int, float], hang_after: float, name: Callable[[list[int]], str],
+                    waits: Callable[[list[int], tuple], str]) -> str | None:
+    """Ranks in a collective past ``hang_after`` while others are elsewhere: a wait while they run, named as one;
+    with a rank that does not answer (native code holding the GIL), both, as a likely hang."""
+    long = {spot: ranks for spot, ranks in by_point.items()
+            if spot[0] == "collective" and min(waited.get(rank, 0.0) for rank in ranks) >= hang_after}
+    if not long:
+        return None
+    said = "; ".join(waits(ranks, spot) for spot, ranks in sorted(long.items(), key=lambda item: min(item[1])))
+    silent = sorted(rank for rank in others if points[rank][0] == "unanswered")
+    running = sorted(rank for rank in others if rank not in silent)
+    parts = [said]
+    for rank in running:
+        kind, call, line = points[rank]
+        at = f"at line {line}" if line is not None else "outside the cell's lines"
+        doing = f"is sleeping in {call}" if kind == "sleep" else "is running Python"
+        parts.append(f"{name([rank])} {doing} {at}, not in it")
+    if silent:
+        seconds = min(waited.get(rank, 0.0) for rank in silent)
+        verb = "has" if len(silent) == 1 else "have"
+        parts.append(f"{name(silent)} {verb} not answered for {seconds:.0f} s: {GIL_BUSY}")
+        return (f"xla_magic: likely a hang: {'; '.join(parts)}. Native code that never returns keeps its rank from "
+                f"the collective; interrupt to stop (the error shows where each rank was).")
+    return f"xla_magic: {'; '.join(parts)}. A wait while a rank works elsewhere, not a hang (yet)."
 
 
 def pyspy_dump(pid: int) -> str | None:

@@ -99,6 +99,11 @@ class Watch:
         self.line = HangLine(notebook) if not getattr(request.ranks, "world", None) else None
         self._capturing = False
 
+    @property
+    def capturing(self) -> bool:
+        """Asking where the ranks are at a stop (its pump must not open a prompt)."""
+        return self._capturing
+
     # -- answers -----------------------------------------------------------
 
     def take(self, rank: int, fields: dict[str, Any]) -> None:
@@ -132,16 +137,20 @@ class Watch:
             record.stacks[rank] = answer
             record.ranks[rank].where = stacks.summary(answer)
             self._asked.pop(rank, None)
+            before = self._at.get(rank)
+            if before is None or before[0] != stacks.point(answer):  # how long it has not answered
+                self._at[rank] = (stacks.point(answer), self._quiet_since if before is None else time.monotonic())
 
     def _at_cell(self) -> list[int]:
         """The asked ranks still at the cell, whose samplers run (a rank not yet started has none)."""
         request = self.request
         return [rank for rank in request.unsettled() if request.record.ranks[rank].state == "running"]
 
-    def _ask(self, ranks: list[int]) -> None:
+    def _ask(self, ranks: list[int], with_locals: bool = False) -> None:
         self._probe += 1
         now = time.monotonic()
-        self._asked = {rank: now for rank in self.request.ranks.ask_where(ranks, self._probe)}
+        self._asked = {rank: now for rank in self.request.ranks.ask_where(ranks, self._probe,
+                                                                           with_locals=with_locals)}
 
     # -- the watchdog --------------------------------------------------------
 
@@ -199,7 +208,7 @@ class Watch:
                 request.record.stacks.pop(rank, None)
                 if request.record.ranks[rank].state == "stopped":  # SIGSTOP: it cannot answer, nor be read
                     request.record.stacks[rank] = {"unanswered": "stopped by a signal (SIGSTOP or SIGTSTP)"}
-            self._ask(running)
+            self._ask(running, with_locals=True)  # for %xla_stacks --locals
             deadline = time.monotonic() + ANSWER_WAIT
             while self._asked and time.monotonic() < deadline:
                 request.pump(0.05)
@@ -258,14 +267,14 @@ class Watch:
 _between = 0  # the probes asked between cells count down from -1: never a request's
 
 
-def where_now(ranks: Any, everything: bool = False) -> dict[int, dict[str, Any]]:
+def where_now(ranks: Any, everything: bool = False, with_locals: bool = False) -> dict[int, dict[str, Any]]:
     """Where a pool's ranks are now, with the threads a cell left running (``%xla_stacks``); no request runs."""
     import selectors
 
     global _between
     _between -= 1
     probe = _between
-    asked = set(ranks.ask_where(list(range(ranks.size)), probe, everything))
+    asked = set(ranks.ask_where(list(range(ranks.size)), probe, everything, with_locals))
     found: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + ANSWER_WAIT
     with selectors.DefaultSelector() as selector:
@@ -288,7 +297,7 @@ def where_now(ranks: Any, everything: bool = False) -> dict[int, dict[str, Any]]
     return found
 
 
-def report(history: list[Any], pool: Any, rank: int | None, everything: bool) -> list[str]:
+def report(history: list[Any], pool: Any, rank: int | None, everything: bool, with_locals: bool = False) -> list[str]:
     """``%xla_stacks``: the last stuck or stopped cell's stacks, then where a pool's ranks are now."""
     from IPython.core.error import UsageError
 
@@ -308,9 +317,9 @@ def report(history: list[Any], pool: Any, rank: int | None, everything: bool) ->
         if last.hang:
             lines.append(last.hang)
         lines.extend(stacks.render(last.stacks, only, everything, one_value=one_value,
-                                   label=pool.label if pool is not None else None))
+                                   label=pool.label if pool is not None else None, with_locals=with_locals))
     if pool is not None and pool.state in ("ready", "running"):
         lines.append("Where the pool's ranks are now:")
-        lines.extend(stacks.render(pool.where_now(everything), only, everything, one_value=one_value,
-                                   label=pool.label))
+        lines.extend(stacks.render(pool.where_now(everything, with_locals), only, everything, one_value=one_value,
+                                   label=pool.label, with_locals=with_locals))
     return lines

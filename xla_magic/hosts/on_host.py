@@ -225,14 +225,14 @@ def pull(name: str) -> HostOutcome:
     return _outcome(lambda: _pool(_require()).pull(name, None))
 
 
-def where_now(everything: bool) -> dict[int, dict[str, Any]]:
+def where_now(everything: bool, with_locals: bool = False) -> dict[int, dict[str, Any]]:
     """Where this host's pool ranks are now, by local rank, threads a cell left running included (``%xla_stacks``
     between cells: the engine is free then); empty when its pool does not run."""
     here = _here
     pool = here.pool if here is not None else None
     if pool is None or pool.state != "ready":
         return {}
-    return watch.where_now(pool.ranks, everything)
+    return watch.where_now(pool.ranks, everything, with_locals)
 
 
 def status() -> dict[str, Any]:

@@ -270,9 +270,9 @@ class HostsPool:
     def label(self, rank: int) -> str:
         return label(self.devices)(rank)
 
-    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+    def where_now(self, everything: bool = False, with_locals: bool = False) -> dict[int, dict[str, Any]]:
         """Where every host's ranks are now, by global rank (``%xla_stacks`` between cells: every engine is free)."""
-        calls = self._call_hosts(on_host.where_now, [(everything,)] * len(self.hosts))
+        calls = self._call_hosts(on_host.where_now, [(everything, with_locals)] * len(self.hosts))
         found: dict[int, dict[str, Any]] = {}
         for index, call in enumerate(calls):
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import builtins
 import linecache
+import os
 import pickle
 import socket
 import threading
@@ -180,14 +181,21 @@ def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.Code
     return compile(tree, filename, "exec"), last
 
 
+# Where input() and pdb ask the kernel (debugger.py): the machinery under the cell's call, not the user's frames.
+_ASKING_FILE = os.path.join("xla_magic", "launcher", "debugger.py")
+
+
 def format_error(exc: BaseException, filename: str) -> str:
-    """The traceback from the first frame of the cell on, like IPython's."""
+    """The traceback from the first frame of the cell on, like IPython's (and without our input() underneath)."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
     if tb is None:
         tb = exc.__traceback__
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    error = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    error.stack = traceback.StackSummary.from_list([frame for frame in error.stack
+                                                    if not frame.filename.endswith(_ASKING_FILE)])
+    return "".join(error.format())
 
 
 def exception_message(exc: BaseException) -> str:

@@ -27,6 +27,7 @@ directory, with the kernel's sys.path (place.py).
 
 from __future__ import annotations
 
+import bdb
 import builtins
 import contextlib
 import io
@@ -39,7 +40,7 @@ import types
 from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic.wire import protocol, transport
-from xla_magic.launcher import (capture, compile_cache, displays, interrupt, lifetime, place, profiling,
+from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, place, profiling,
                                 rank as rank_module, shell, stacks, xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
@@ -203,6 +204,10 @@ class RankServer:
         displays.set_display(self.display)
         self.home = shell.Home(self.namespace)  # its IPython shell, made on first use
         shell.enter(self.home)
+        self.console = debugger.Console(self)  # input(), getpass, stdin and pdb ask at the kernel's prompt
+        debugger.enter(self.console)
+        self.post_mortem: types.TracebackType | None = None  # the last failed cell's, for %debug, until the next request
+        self.thread = threading.current_thread() is not threading.main_thread()  # a rank thread (the tpu launch path)
         self._filename = "<xla_pool>"
         self._serving = ""  # the cell being served, or the last one, for errors outside it
         self._idle_failure: BaseException | None = None  # raised between requests, told with the next
@@ -216,6 +221,7 @@ class RankServer:
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
             protocol.PULL: self.pull,
+            protocol.DEBUG: self.debug,
         }
 
     def serve(self) -> None:
@@ -231,8 +237,9 @@ class RankServer:
                 request = self.inbox.first()
                 if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                     return
-                # SHOWN here answers a display that an interrupt stopped waiting for
-                if request.kind != protocol.SHOWN and request.fields.get("seq") != self._answered:
+                # SHOWN or INPUT_REPLY here answers a display or a question that an interrupt stopped waiting for
+                if request.kind not in (protocol.SHOWN, protocol.INPUT_REPLY) and \
+                        request.fields.get("seq") != self._answered:
                     self.answer(request)
                 self.inbox.take(request)
             except OSError:
@@ -260,6 +267,8 @@ class RankServer:
             return False
         if kind == protocol.CELL:
             self._serving = fields.get("source", "")
+        if kind != protocol.DEBUG:
+            self.post_mortem = None  # kept until the next request, and no longer
         ok = False
         try:
             handler = self._handlers.get(kind)
@@ -268,6 +277,10 @@ class RankServer:
             reply = handler(fields)
             ok = True
         except BaseException as exc:  # the user's code may raise anything at all
+            if kind == protocol.CELL and debugger.keeps(exc):
+                self.post_mortem = debugger.from_cell(exc.__traceback__)
+                if self.parks:
+                    debugger.park()  # before the reply: the kernel stops the others once it has it
             reply = self.error_frame(seq, exc, with_traceback=kind == protocol.CELL)
         try:
             self.finish(seq, reply, started)
@@ -330,6 +343,16 @@ class RankServer:
     def flush_output(self) -> None:
         self.streams.flush()
         lifetime.flush_c_stdio()
+
+    @property
+    def parks(self) -> bool:
+        """A one-shot rank stays for %debug after its cell failed, where it owns its process (see debugger.park)."""
+        return self.serving.one_shot and not self.thread
+
+    def sampled_phase(self) -> str:
+        """What the stack sampler says the rank is at: at the kernel's prompt (debugger, input), or its phase."""
+        asking = self.console.asking
+        return asking[0] if asking is not None else self.phase
 
     # -- requests --------------------------------------------------------
 
@@ -411,6 +434,13 @@ class RankServer:
                 if account is not None:
                     self._xla_frame += protocol.encode(protocol.XLA, seq=fields["seq"], account=account)
 
+    def debug(self, fields: dict[str, Any]) -> None:
+        """%debug: pdb's post-mortem in the last failed cell's frames, until the user leaves it."""
+        if self.post_mortem is None:
+            raise RuntimeError("this rank holds no failed cell to debug: it keeps one until its next request")
+        with interrupt.Cell():  # an interrupt leaves the debugger as it stops a cell
+            debugger.post_mortem(self.post_mortem)
+
     def push(self, fields: dict[str, Any]) -> None:
         values = transport.load_namespace(fields["values"])[0]
         rank_module.bind_rank_names(values, self.rank_names)
@@ -455,6 +485,9 @@ class RankServer:
     def error_frame(self, seq: Any, exc: BaseException, with_traceback: bool) -> bytes:
         """An ERROR; the traceback only for a cell's error (from its first frame on)."""
         self.flush_output()
+        if isinstance(exc, bdb.BdbQuit):  # the user quit pdb in the cell: no traceback, as IPython shows none
+            return protocol.encode(protocol.ERROR, seq=seq, type="BdbQuit", message=debugger.quit_message(self.console),
+                                   traceback="")
         return protocol.encode(
             protocol.ERROR,
             seq=seq,
@@ -462,6 +495,7 @@ class RankServer:
             message=rank_module.exception_message(exc),
             traceback=rank_module.format_error(exc, self._filename)
             if with_traceback and not isinstance(exc, place.PlaceError) else "",
+            post_mortem=self.post_mortem is not None and with_traceback and (self.parks or not self.serving.one_shot),
         )
 
 
@@ -486,7 +520,8 @@ def serve(
     channel = protocol.Channel(sockets.events)
     served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
     if os.environ.get(stacks.OFF_SWITCH) != "0":  # off only to measure what it costs (benchmarks/bench_stacks.py)
-        stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].phase if served else "setup")
+        stacks.Sampler(rank, sockets.stacks, threading.get_ident(),
+                       lambda: served[0].sampled_phase() if served else "setup")
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
@@ -516,9 +551,14 @@ def serve(
                          memory=rank_module.device_memory(server.device) if server.reports_memory else None,
                          compile_cache=compile_cache.reported())
             if request is not None:
-                return server._answer(request)
-            server.finish(START_SEQ, None, started)
-        server.serve()
+                answered = server._answer(request)
+                if answered or server.post_mortem is None or not server.parks:
+                    return answered
+            else:
+                server.finish(START_SEQ, None, started)
+        server.serve()  # a pool's requests; a one-shot rank kept for %debug: DEBUG, until the kernel lets it go
+        if request is not None:
+            return False
         # The pool's end: what its cells started ends now, before this process's
         # exit could wait on a child (multiprocessing joins its own at exit).
         server.children.end_all()

@@ -20,6 +20,7 @@ threads that run cell code (left running by an earlier cell) come too.
 
 from __future__ import annotations
 
+import ast
 import dis
 import linecache
 import os
@@ -75,7 +76,8 @@ class Sampler:
             if request.kind != protocol.STACKS:
                 return  # closed, broken, or not for us: the rank is going
             try:
-                answer = sample(self.thread, self.phase(), everything=bool(request.fields.get("all")))
+                answer = sample(self.thread, self.phase(), everything=bool(request.fields.get("all")),
+                                with_locals=bool(request.fields.get("locals")))
             except Exception as exc:  # never lose the sampler to a frame it could not read
                 answer = {"phase": "unknown", "frames": [], "doing": {"kind": "unknown", "call": repr(exc)}}
             try:
@@ -85,12 +87,17 @@ class Sampler:
                 return
 
 
-def sample(thread: int, phase: str, everything: bool = False) -> dict[str, Any]:
-    """Where ``thread`` is (and the other threads running cell code), as plain data."""
+def sample(thread: int, phase: str, everything: bool = False, with_locals: bool = False) -> dict[str, Any]:
+    """Where ``thread`` is (and the other threads running cell code), as plain data.
+
+    ``with_locals``: also each cell frame's local names with short reprs (``locals``: frame index -> pairs).
+    """
     frames = sys._current_frames()
     mine = frames.get(thread)
     stack = _frames(mine) if mine is not None else []
     answer: dict[str, Any] = {"phase": phase, "frames": stack, "doing": doing(stack, mine)}
+    if with_locals:
+        answer["locals"] = cell_locals(mine)
     names = {t.ident: t.name for t in threading.enumerate()}
     others = []
     for ident, frame in frames.items():
@@ -101,6 +108,88 @@ def sample(thread: int, phase: str, everything: bool = False) -> dict[str, Any]:
             others.append({"name": names.get(ident, str(ident)), "frames": other, "doing": doing(other, frame)})
     answer["threads"] = others
     return answer
+
+
+LOCALS_KEPT = 24  # names per frame
+REPR_CHARS = 60  # characters per value
+
+
+def cell_locals(frame: types.FrameType | None) -> dict[int, list[tuple[str, str]]]:
+    """Each cell frame's local names (a module frame's: the names its code uses) with short reprs, by frame index.
+
+    Read from another thread while the cell runs, so nothing here runs the
+    cell's code: no ``repr`` but of plain values; tensors and arrays as their
+    dtype and shape (never their values, which would wait for the device).
+    """
+    found: dict[int, list[tuple[str, str]]] = {}
+    index = 0
+    while frame is not None and index < FRAMES_KEPT:
+        code = frame.f_code
+        if code.co_filename.startswith(CELL_FILE):
+            try:
+                names = dict(frame.f_locals)
+            except Exception:
+                names = {}
+            wanted = _cell_names(code) if code.co_name == "<module>" else code.co_varnames + code.co_cellvars
+            pairs = [(name, short_repr(names[name])) for name in dict.fromkeys(wanted)
+                     if name in names and not name.startswith("__") and not _is_definition(names[name])]
+            found[index] = pairs[:LOCALS_KEPT]
+        frame = frame.f_back
+        index += 1
+    return found
+
+
+_names_of_cells: dict[str, tuple[str, ...]] = {}
+
+
+def _cell_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names a cell's source uses, in order (its last expression runs as code of its own, which names fewer)."""
+    filename = code.co_filename
+    if filename not in _names_of_cells:
+        try:
+            tree = ast.parse("".join(linecache.getlines(filename)))
+            found = tuple(dict.fromkeys(node.id for node in ast.walk(tree) if isinstance(node, ast.Name)))
+        except (SyntaxError, ValueError):  # IPython syntax: what this code names
+            found = ()
+        if len(_names_of_cells) > 64:
+            _names_of_cells.clear()
+        _names_of_cells[filename] = found
+    return _names_of_cells[filename] or code.co_names
+
+
+def _is_definition(value: Any) -> bool:
+    return isinstance(value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type))
+
+
+_PLAIN = (int, float, bool, complex, str, bytes, type(None))
+
+
+def short_repr(value: Any, depth: int = 0) -> str:
+    """A bounded repr that runs no user code: plain values and their containers; tensors by dtype and shape."""
+    text = _short(value, depth)
+    return text if len(text) <= REPR_CHARS else text[: REPR_CHARS - 3] + "..."
+
+
+def _short(value: Any, depth: int) -> str:
+    kind = type(value)
+    if kind in _PLAIN:
+        return repr(value) if kind not in (str, bytes) or len(value) <= REPR_CHARS else repr(value[:REPR_CHARS]) + "..."
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.device):
+        return repr(value)
+    if torch is not None and isinstance(value, torch.Tensor):
+        return f"tensor({str(value.dtype).removeprefix('torch.')}, {list(value.shape)}, {value.device})"
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return f"ndarray({value.dtype}, {list(value.shape)})"
+    if kind in (list, tuple, set, dict) and depth < 2:
+        items = list(value.items())[:6] if kind is dict else list(value)[:6]
+        parts = [f"{_short(k, depth + 1)}: {_short(v, depth + 1)}" for k, v in items] if kind is dict else \
+                [_short(item, depth + 1) for item in items]
+        more = ", ..." if len(value) > 6 else ""
+        open_, close = {list: "[]", tuple: "()", set: "{}", dict: "{}"}[kind]
+        return f"{open_}{', '.join(parts)}{more}{close}"
+    return f"<{kind.__module__}.{kind.__qualname__}>" if kind.__module__ != "builtins" else f"<{kind.__qualname__}>"
 
 
 def _frames(frame: types.FrameType | None) -> list[tuple[str, int, str, str, bool]]:

@@ -48,6 +48,8 @@ CELL = "cell"
 PUSH = "push"
 PULL = "pull"
 SHOWN = "shown"  # a rank's DISPLAY is shown: its cell may go on (not a request)
+INPUT_REPLY = "input_reply"  # the answer to a rank's INPUT: ``text``, or ``eof`` (why there is none) (not a request)
+DEBUG = "debug"  # pdb's post-mortem in the frames of the rank's last failed cell, which it keeps until its next request
 # rank -> kernel (output travels as raw bytes on the stdout/stderr sockets)
 RESULT = "result"
 ERROR = "error"
@@ -57,6 +59,10 @@ DONE = "done"
 # data (``what`` names the kernel's view of it, e.g. "sharding"); the rank
 # waits for SHOWN, so what it prints next comes after the picture
 DISPLAY = "display"
+# rank -> kernel, while a request runs: a line to ask for (``input()``, getpass, pdb's prompt:
+# launcher/debugger.py), with its ``prompt``, ``password``, ``why`` (input or debugger) and the cell
+# ``line`` it asks at; the rank waits for INPUT_REPLY, which the kernel sends once it has asked
+INPUT = "input"
 # rank -> kernel, with a cell's reply: what XLA did during the cell (launcher/xla_account.py)
 # (none from a rank in which XLA did nothing during the cell)
 XLA = "xla"
@@ -250,7 +256,7 @@ class Inbox:
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self._events: list[Event] = []  # appended by the reader only, removed by take only (each one list call)
+        self._events: list[Event] = []  # appended by the reader only, removed by take and take_next (one list call each)
         self._wake, self._woken = os.pipe()  # a byte a new event: what first() waits on
         os.set_blocking(self._wake, False)
         os.set_blocking(self._woken, False)
@@ -284,3 +290,25 @@ class Inbox:
         """Done with ``event``: removed if it is still the first, so taking it twice takes nothing more."""
         if self._events and self._events[0] is event:
             del self._events[0]
+
+    def take_next(self, kind: str, timeout: float) -> Event | None:
+        """The first event of ``kind``, removed, waiting up to ``timeout`` s; else CLOSED or BROKEN if the channel
+        ended, or None.
+
+        Looks past the events before it: the request being answered stays first until it is answered.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            for index, event in enumerate(list(self._events)):
+                if event.kind == kind:
+                    if self._events[index] is event:  # only the reader appends meanwhile
+                        del self._events[index]
+                    return event
+                if event.kind in (CLOSED, BROKEN):
+                    return event
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if select.select([self._wake], [], [], left)[0]:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake, 1 << 16)
