@@ -3,7 +3,7 @@
 The kernel calls these functions on every engine at once (``DirectView.apply``).
 Each host runs this package's own single-host machinery: a
 :class:`~xla_magic.runner.Runner` (launcher, private directory) and a
-:class:`~xla_magic.local_pool.LocalPool`, told which part of the world it is
+:class:`~xla_magic.pools.this_host.LocalPool`, told which part of the world it is
 (global rank offset, world size, the TCP store on host 0). It knows nothing
 of the kernel's session. Its output goes to the engine's stdout, tagged
 ``[hH rN]``, which ipyparallel streams to the kernel; every call answers with
@@ -25,12 +25,12 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
-from xla_magic import watch
+from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
 from xla_magic.hosts import profiles
-from xla_magic.local_pool import LocalPool
-from xla_magic.pool import Cell, PoolOptions
+from xla_magic.pools.this_host import LocalPool
+from xla_magic.pools.interface import Cell, PoolOptions
 from xla_magic.record import RunRecord
 from xla_magic.runner import Runner, plan
 from xla_magic.wire import protocol

@@ -1,6 +1,6 @@
 """One request to every host of a pool across hosts, followed to the end. Runs in the kernel.
 
-As :class:`~xla_magic.request.Request` follows every rank, this follows
+As :class:`~xla_magic.run.request.Request` follows every rank, this follows
 every host's engine: it shows each host's output as it streams in (lines
 already tagged ``[hH rN]`` by the host), and when one host fails, is
 interrupted or loses its engine, it interrupts every other host (fail-fast
@@ -24,7 +24,7 @@ from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutp
 from xla_magic.hosts.naming import RESTART, label
 from xla_magic.hosts.on_host import NEWS, HostOutcome
 from xla_magic.record import RunRecord
-from xla_magic.watch import HANG_AFTER, HangLine, confirm_after
+from xla_magic.run.watch import HANG_AFTER, HangLine, confirm_after
 
 OUTPUT_PATIENCE = 10.0  # for a host's output to catch up with its reply (ipyparallel sends them apart)
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
