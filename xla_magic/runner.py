@@ -179,15 +179,14 @@ class Runner:
             raise
 
     def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
-                 **fields: Any) -> Request:
-        """A push or pull to ``ranks``, followed to the end."""
+                 **fields: Any) -> list[Any] | None:
+        """A push or pull to ``ranks``, followed to the end: the results by rank (None for a push)."""
         seq = ranks.next_seq()
         record = self.record(self.next_run_id(), label, ranks)
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
                           has_result=has_result, targets=targets, on_update=self.notify)
         request.start()
-        request.wait()
-        return request
+        return request.wait()
 
     @staticmethod
     def guard_kernel(ranks: Ranks) -> None:
