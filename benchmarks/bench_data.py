@@ -55,7 +55,7 @@ def _anon_bytes(pid: int) -> int:
 
 
 def _segment_bytes() -> int:
-    from xla_magic import transport
+    from xla_magic.wire import transport
 
     total = 0
     for name in transport.segment_names(transport.kernel_prefix()):

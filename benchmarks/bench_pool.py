@@ -74,7 +74,7 @@ def start_shell() -> tuple[Any, bool]:
     loaded_here = getattr(shell, "_xla_magic_session", None) is None
     if loaded_here:
         shell.run_line_magic("load_ext", "xla_magic")
-    shell._xla_magic_session.ensure_launcher().wait_ready()
+    shell._xla_magic_session.host.ensure_launcher().wait_ready()
     return shell, loaded_here
 
 

@@ -6,8 +6,10 @@
 - The changelog page's snippet (``--8<-- "CHANGELOG.md"``) is read from the
   repository's root wherever mkdocs runs from.
 - A generated page that is not what its generator writes now fails the build:
-  the magic reference (docs/magic_reference.py, from the magics' parsers) and
-  the set-up figures (docs/figures.py, from docs/figures.json).
+  the magic reference (docs/magic_reference.py, from the magics' parsers),
+  the errors, extras and environment variables (docs/api_reference.py, from
+  the code and pyproject.toml) and the set-up figures (docs/figures.py, from
+  docs/figures.json).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def on_config(config: Any) -> Any:
 def on_pre_build(config: Any) -> None:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # this checkout's xla_magic, not an installed one
-    for name in ("magic_reference", "figures"):
+    for name in ("magic_reference", "api_reference", "figures"):
         stale = doc_script(name).stale()
         if stale:
             raise PluginError(stale)

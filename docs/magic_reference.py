@@ -44,6 +44,11 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
 
 
+def help_of(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The option's help as ``%%xla_spawn?`` prints it: argparse's %-formatting applied (``%%`` is ``%``)."""
+    return parser._get_formatter()._expand_help(action) if action.help else ""
+
+
 def value_of(action: argparse.Action) -> str:
     if action.nargs == 0:
         return ""
@@ -90,7 +95,7 @@ def render_magic(name: str, prefix: str, function: Callable[..., Any]) -> str:
         lines += ["| option | value | what it does |", "|---|---|---|"]
         for action in actions:
             flags = ", ".join(f"`{flag}`" for flag in action.option_strings) or f"`{action.dest}`"
-            help_text = (action.help or "").replace("|", "\\|").replace("\n", " ")
+            help_text = help_of(parser, action).replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {flags} | {value_of(action)} | {help_text} |")
         lines.append("")
     return "\n".join(lines)

@@ -250,7 +250,7 @@ def nothing_left(request):
         leaks.append(f"environment variables it set or changed: {sorted(changed)} (use monkeypatch)")
     # Ours and the tests' (xla_magic-...), but the session's own folder; a library's cache made on first use
     # (matplotlib's, say) lives as long as the process, and is no test's doing.
-    workdir = session.workdir._path if session is not None else None
+    workdir = session.host.workdir._path if session is not None else None
     files = {name for name in after["temp"] - before["temp"]
              if name.startswith("xla_magic-") and os.path.join(tempfile.gettempdir(), name) != workdir
              and os.path.exists(os.path.join(tempfile.gettempdir(), name))}

@@ -207,7 +207,7 @@ y.item()
 
 def extension_processes(ip) -> list[psutil.Process]:
     """Every live process this kernel started, except the launcher itself."""
-    launcher = ip._xla_magic_session.launcher
+    launcher = ip._xla_magic_session.host.launcher
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
@@ -222,7 +222,7 @@ def extension_processes(ip) -> list[psutil.Process]:
 
 def assert_nothing_left(ip) -> None:
     assert wait_gone(p.pid for p in extension_processes(ip)) == []
-    launcher = ip._xla_magic_session.launcher
+    launcher = ip._xla_magic_session.host.launcher
     assert launcher is not None and launcher.alive(), "the launcher must survive faults"
 
 

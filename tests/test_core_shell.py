@@ -248,19 +248,19 @@ def test_a_dead_launcher_is_replaced_on_the_next_cell(ip, spawn):
     import psutil
 
     session = ip._xla_magic_session
-    old = session.ensure_launcher()
+    old = session.host.ensure_launcher()
     old.wait_ready()
     psutil.Process(old.pid).kill()
     old.process.wait()
     assert spawn("--devices 2", "rank").value == [0, 1]
-    assert session.launcher is not old and session.launcher.alive()
+    assert session.host.launcher is not old and session.host.launcher.alive()
 
 
 def test_unload_stops_every_process_and_reload_works(ip, spawn):
     import psutil
 
     session = ip._xla_magic_session
-    session.ensure_launcher().wait_ready()
+    session.host.ensure_launcher().wait_ready()
     assert psutil.Process().children(recursive=True)
     ip.run_line_magic("unload_ext", "xla_magic")
     try:
@@ -269,6 +269,26 @@ def test_unload_stops_every_process_and_reload_works(ip, spawn):
     finally:
         ip.run_line_magic("load_ext", "xla_magic")
     assert spawn("--devices 2", "rank").value == [0, 1]
+
+
+def magics_from_xla_magic(ip) -> set[tuple[str, str]]:
+    """(kind, name) of every magic in the shell whose function is xla_magic's, found by its module."""
+    return {(kind, name) for kind, table in ip.magics_manager.magics.items() for name, bound in table.items()
+            if getattr(getattr(bound, "__func__", bound), "__module__", "").startswith("xla_magic")}
+
+
+def test_unload_removes_every_magic_the_extension_registered(ip):
+    registered = magics_from_xla_magic(ip)
+    assert {("cell", "xla_spawn"), ("line", "xla_stacks"), ("line", "xla_pool")} <= registered
+    ip.run_line_magic("unload_ext", "xla_magic")
+    try:
+        assert magics_from_xla_magic(ip) == set()
+        with capture_output() as captured:
+            ip.run_cell("%xla_stacks")
+        assert "Line magic function `%xla_stacks` not found" in captured.stdout + captured.stderr
+    finally:
+        ip.run_line_magic("load_ext", "xla_magic")
+    assert magics_from_xla_magic(ip) == registered
 
 
 def test_a_cell_ending_in_print_shows_no_list_of_nones(ip, spawn):

@@ -54,12 +54,121 @@ def reference():
     return doc_script("magic_reference")
 
 
-def test_readme_opens_with_the_two_commands():
-    lines = [line for line in readme().splitlines() if line.strip()]
-    assert lines[0].startswith("# ")
-    assert lines[1] == "```bash"
-    assert lines[2].startswith("make demo")
-    assert lines[3].startswith("make test")
+def readme_commands() -> dict[str, str]:
+    """The README's `make` lines: command -> what its comment says."""
+    block = re.search(r"```bash\n(.*?)```", readme(), re.DOTALL)
+    assert block, "README.md has no bash block with the two commands"
+    return dict(re.findall(r"^(make \w+)\s+# (.*)$", block.group(1), re.MULTILINE))
+
+
+def test_the_readme_says_what_it_is_before_the_two_commands():
+    text = readme()
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines[0] == "# xla_magic" and lines[1].startswith("Run notebook cells on every TPU core")
+    assert list(readme_commands()) == ["make demo", "make test"]
+    before = text[: text.index("make demo   #")]
+    assert len(before.splitlines()) <= 25, "the two commands belong near the top"
+    assert "Linux" in before and "prctl" in before, "say that Linux is required, and why, before the commands"
+    assert text.index("## What it solves") > text.index("make test   #")
+
+
+def test_the_readme_says_what_each_command_costs_as_measured(figures):
+    """The costs on the two command lines are docs/figures.json's (rounded as written), and make test's apt-get is said."""
+    import json
+
+    measured = json.loads(figures.FIGURES.read_text())
+    commands = readme_commands()
+    demo = re.search(r"\((\d+) s on a fresh machine\)", commands["make demo"])
+    assert demo and int(demo.group(1)) == measured["demo_seconds"], commands["make demo"]
+    test = re.search(r"about (\d+) minutes and (\d+) GiB", commands["make test"])
+    assert test, commands["make test"]
+    assert int(test.group(1)) == measured["test_seconds"] // 60
+    assert int(test.group(2)) == round(measured["cache_bytes"] / 2**30)
+    install = (ROOT / "scripts" / "install-browser").read_text(encoding="utf-8")
+    assert "apt-get install" in install and "chromium" in install
+    assert "apt-get" in commands["make test"] and "chromium" in commands["make test"]
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^test:\n\t@scripts/install-browser$", makefile, re.MULTILINE)
+
+
+def quickstart(place: str) -> tuple[list[str], list[str]]:
+    """A place's quickstart in docs/getting-started.md: its steps' commands in order, and what step 3 shows."""
+    text = section("getting-started", place)
+    steps = re.findall(r"^\d+\. ", text, re.MULTILINE)
+    assert steps, f"docs/getting-started.md's '{place}' has no numbered steps"
+    commands = [line.strip() for block in re.findall(r"^    ```bash\n(.*?)^    ```", text, re.MULTILINE | re.DOTALL)
+                for line in block.splitlines() if line.strip()]
+    shown = re.search(r"^    ```text\n(.*?)^    ```", text, re.MULTILINE | re.DOTALL)
+    return commands, [line.strip() for line in shown.group(1).splitlines()] if shown else []
+
+
+LAPTOP = ["git clone URL xla_magic", "cd xla_magic", "make demo",
+          "~/.cache/xla_magic/venv/bin/jupyter lab notebooks/quickstart.ipynb"]
+
+
+def test_the_laptop_quickstart_is_the_commands_the_makefile_and_readme_give():
+    commands, _ = quickstart("On a Linux laptop")
+    assert commands == LAPTOP
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^demo: setup$", makefile, re.MULTILINE)
+    assert re.search(r"^VENV \?= \$\(HOME\)/\.cache/xla_magic/venv$", makefile, re.MULTILINE), (
+        "step 4's ~/.cache/xla_magic/venv is the Makefile's VENV")
+    assert "make demo" in readme_commands()
+    assert (ROOT / "notebooks" / "quickstart.ipynb").exists()
+    assert any(requirement.startswith("jupyterlab") for requirement in extras()["test"][0]), (
+        "make demo's venv has the test extra; JupyterLab must be in it for step 4")
+
+
+def extras():
+    return doc_script("api_reference").extras()
+
+
+def test_the_laptop_quickstart_followed_literally_in_a_clean_clone(tmp_path):
+    """Steps 1-3 as written, in a fresh clone of this repository (its last commit): the clone's make demo makes
+    its own venv (VENV points into the test's folder, never the shared one) and shows what step 3 says."""
+    commands, shown = quickstart("On a Linux laptop")
+    assert shown, "step 3 shows what make demo prints"
+    venv = tmp_path / "venv"
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PYTHONPATH", "XLA_MAGIC_VENV", "VIRTUAL_ENV")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(sys.prefix))
+    clone, go, demo = commands[:3]
+    done = subprocess.run(clone.replace("URL", str(ROOT)), shell=True, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    where = tmp_path / go.split()[1]
+    done = subprocess.run(f"{demo} VENV={venv}", shell=True, cwd=where, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = [line.strip() for line in done.stdout.splitlines()]
+    for line in shown:
+        assert any(said.endswith(line) for said in printed), f"step 3 shows {line!r}; make demo printed {printed[-20:]}"
+    # the clone's own code ran: its venv's xla_magic is the clone's, not this checkout's
+    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import xla_magic; print(xla_magic.__file__)"],
+                           env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert found.stdout.strip().startswith(str(where)), found
+
+
+def test_the_reference_pages_match_the_code():
+    """docs/environment.md: the errors and extras as the code has them, and the XLA_MAGIC_* names the code reads."""
+    assert doc_script("api_reference").stale() is None
+
+
+def test_the_glossary_defines_the_words_the_pages_use():
+    words = set(re.findall(r"^\| ([^|]+?) \|", page("glossary"), re.MULTILINE))
+    for word in ("rank", "pool", "one-shot cell", "launcher", "tpu launch path", "kernel"):
+        assert word in words, f"docs/glossary.md does not define {word!r}"
+
+
+def test_each_fact_has_one_home():
+    """The install table, the version pins, the fused-AdamW advice, torch_xla's 'Runtime is already initialized'
+    and why --devices is 1 or all on a TPU are each written on one page only; the others link there."""
+    pages = {path.name: path.read_text(encoding="utf-8") for path in DOCS.glob("*.md")}
+    pages["README.md"] = readme()
+    for fact in ("| where | how |", "| package | supported | lowest is | notes |", 'optim="adamw_torch"` to',
+                 "Do not use the XLA device before calling xmp.spawn", "That is why `--devices` on a TPU is 1"):
+        homes = [name for name, text in pages.items() if fact in text]
+        assert len(homes) == 1, f"{fact!r} is written on {homes}"
 
 
 def test_the_site_builds_strict_and_offline(tmp_path):
@@ -94,10 +203,14 @@ def test_the_home_page_is_the_readme():
 
 
 def test_the_readme_is_a_landing_page():
-    assert len(readme().splitlines()) <= 200
+    assert len(readme().splitlines()) <= 150
     for link in re.findall(r"\]\((docs/[^)#]+\.md)", readme()):
         assert (ROOT / link).exists()
-    assert "make docs" in readme() and "mkdocs serve" in readme()
+    # contributor material lives under Development; the README only points there
+    assert "make docs" in page("development") and "mkdocs serve" in page("development")
+    assert "## Install" not in readme(), "the install table's one home is docs/getting-started.md"
+    for place in ("on-a-linux-laptop", "on-kaggle", "on-colab", "on-a-tpu-vm"):
+        assert f"docs/getting-started.md#{place}" in readme()
 
 
 def test_every_page_is_in_the_nav():
@@ -126,6 +239,26 @@ def test_every_option_of_every_magic_is_in_the_reference(ip, reference):
                 assert f"`{flag}`" in text, f"{prefix}{name} {flag} is not documented"
             for choice in action.choices or ():
                 assert f"`{choice}`" in text, f"{prefix}{name} {action.dest}={choice} is not documented"
+
+
+def test_each_option_reads_as_the_magic_s_own_help_prints_it(ip, reference):
+    """The page's help text for an option is what ``%%xla_spawn?`` prints (argparse's ``%%`` is one ``%``)."""
+    text = " ".join(page("reference").split())
+    for name, (prefix, function) in reference.xla_magics(ip).items():
+        parser = getattr(function, "parser", None)
+        printed = " ".join(parser.format_help().split()) if parser else ""
+        for action in reference.options(parser) if parser else []:
+            shown = " ".join(reference.help_of(parser, action).split())
+            assert shown in printed, f"{prefix}{name} {action.dest}: {shown!r} is not what its help prints"
+            assert shown.replace("|", "\\|") in text, f"{prefix}{name} {action.dest}'s help is not on the page"
+    assert "%%xla_profile" not in text, "%xla_profile is a line magic"
+
+
+def test_the_launch_default_is_the_one_the_code_uses(ip):
+    from xla_magic.hosts.discovery import DEFAULT_TEMPLATE
+
+    assert f"(default: '{DEFAULT_TEMPLATE}';" in page("reference")
+    assert "ssh {host}`` by default" not in page("reference")
 
 
 def rank_strategy_members() -> set[str]:
@@ -238,9 +371,9 @@ def linked_entries() -> dict[str, list[str]]:
 
 
 def test_each_message_links_to_an_entry_that_exists():
-    from xla_magic.troubleshooting import PAGE
+    from xla_magic.troubleshooting import PAGES
 
-    assert PAGE == "docs/troubleshooting.md" and (ROOT / PAGE).exists()
+    assert PAGES[-1] == DOCS / "troubleshooting.md"
     anchors = {anchor for _, anchor in troubleshooting_entries()}
     linked = linked_entries()
     assert len(linked) >= 15, sorted(linked)
@@ -253,7 +386,7 @@ def test_each_known_problem_links_to_the_entry_for_its_message():
 
     entries = {anchor: message for message, anchor in troubleshooting_entries()}
     for pattern, advice in KNOWN_PROBLEMS:
-        link = re.search(r"See docs/troubleshooting\.md#([a-z0-9-]+)\.$", advice)
+        link = re.search(r"%xla_help ([a-z0-9-]+) says more\.$", advice)
         assert link, f"the advice for {pattern!r} does not end with its troubleshooting link: {advice!r}"
         assert re.search(pattern, entries[link.group(1)], re.IGNORECASE), (
             f"{pattern!r} links to #{link.group(1)}, whose message is {entries[link.group(1)]!r}"
@@ -270,9 +403,69 @@ def test_a_refusal_names_its_entry(monkeypatch):
         probe.place("tpu", None)
     message = str(info.value)
     assert message.startswith("no TPU was found on this machine")
-    assert message.endswith("See docs/troubleshooting.md#no-tpu-found.")
+    assert message.endswith("%xla_help no-tpu-found says more.")
     entries = dict((anchor, text) for text, anchor in troubleshooting_entries())
     assert message.startswith(entries["no-tpu-found"])
+
+
+def shown_in_the_cell(ip, cell: str) -> str:
+    """Everything a cell shows: its output, its error as IPython renders it, its display data as text."""
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        ip.run_cell(cell)
+    displayed = [output.data.get("text/plain", "") for output in captured.outputs]
+    return "\n".join([captured.stdout, captured.stderr, *displayed])
+
+
+def entry_text(anchor: str) -> tuple[str, str]:
+    """(message, first line of its explanation) of the entry, read from the page here, not by xla_magic."""
+    text = page("troubleshooting")
+    start = text.index(f'<a id="{anchor}"></a>')
+    heading, body = text[start:].split("\n## `", 1)[1].split("\n", 1)
+    return heading.rstrip("`"), body.strip().splitlines()[0]
+
+
+def test_every_entry_a_message_names_is_shown_by_the_line_it_gives(ip):
+    """Each see(ID) in the code gives a line (%xla_help ID) that shows the entry's text in the cell."""
+    from xla_magic.troubleshooting import see
+
+    for anchor in linked_entries():
+        line = re.fullmatch(r"(%xla_help [a-z0-9-]+) says more\.", see(anchor)).group(1)
+        shown = shown_in_the_cell(ip, line)
+        message, explanation = entry_text(anchor)
+        assert message in shown and explanation.split("(")[0].split("[")[0] in shown, (anchor, shown)
+    assert "%xla_help no-tpu-found" in shown_in_the_cell(ip, "%xla_help")
+    assert "UsageError: no troubleshooting entry 'nope'" in shown_in_the_cell(ip, "%xla_help nope")
+    # never a path into a repository the user of Colab or Kaggle does not have
+    assert re.findall(r"See docs/\S+", source_text()) == []
+
+
+# Real errors, raised where a user meets them: the advice in the message, then the entry its line shows.
+ERRORS_WITH_ADVICE = {
+    "no-tpu-found": ("%%xla_spawn --backend tpu\nrank", "Use --backend cpu (or auto)"),
+    "strategy-outside-cell": ("from xla_magic import strategy\nstrategy.barrier()", "move this call into a %%xla_spawn cell"),
+    "resource-exhausted": ("%%xla_spawn --devices 1\nraise RuntimeError('RESOURCE_EXHAUSTED: Attempting to reserve 20.00G')",
+                           "What to do: a device ran out of memory"),
+    "cannot-send-variable": ("import threading\nheld = threading.Lock()\n%%xla_spawn --devices 1\nheld", "Create it inside"),
+}
+
+
+@pytest.mark.parametrize("anchor", sorted(ERRORS_WITH_ADVICE))
+def test_an_error_s_advice_is_readable_in_the_cell(ip, monkeypatch, anchor):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)  # this machine has no TPU: --backend tpu is refused
+    cell, advice = ERRORS_WITH_ADVICE[anchor]
+    if "\n%%xla_spawn" in cell:
+        setup, cell = cell.split("\n%%xla_spawn", 1)
+        ip.run_cell(setup)
+        cell = "%%xla_spawn" + cell
+    shown = shown_in_the_cell(ip, cell)
+    assert advice in shown, shown
+    line = re.search(r"(%xla_help [a-z0-9-]+) says more\.", shown)
+    assert line and line.group(1) == f"%xla_help {anchor}", shown
+    message, explanation = entry_text(anchor)
+    followed = shown_in_the_cell(ip, line.group(1))
+    assert message in followed and explanation in followed, followed
 
 
 def test_local_links_resolve():

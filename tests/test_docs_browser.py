@@ -4,8 +4,8 @@ A reader's view: the site that ``make docs`` builds, served by Python's
 http.server on 127.0.0.1, opened in Debian's chromium (driven by Playwright,
 as tests/test_browser.py does). The reader searches for an error message
 with nothing but the built files (search runs in the page, offline), follows
-the hit to its troubleshooting entry, and opens the link an error message
-gives (``docs/troubleshooting.md#ID``) as the site's page. The screenshot goes into docs/images/ only when asked
+the hit to its troubleshooting entry, and opens the entry an error message
+names (``%xla_help ID``) as the site's page. The screenshot goes into docs/images/ only when asked
 (``--update-images``, or XLA_MAGIC_UPDATE_IMAGES=1), else into a temporary
 folder.
 """
@@ -84,7 +84,7 @@ def test_a_reader_searches_for_an_error_and_lands_on_its_entry(site, images):
             heading.wait_for()
             assert heading.is_visible()
 
-            # The link an error message gives (See docs/troubleshooting.md#kernel-loaded-libtpu.), on the site.
+            # The entry an error message names (%xla_help kernel-loaded-libtpu says more.), on the site.
             page.goto(f"{site}/troubleshooting.html#kernel-loaded-libtpu")
             heading.wait_for()
             assert page.evaluate(

@@ -24,7 +24,7 @@ from IPython.utils.capture import capture_output
 
 from helpers import (assert_nothing_left, extension_processes, interrupt_once_shown, shown, strip_ansi, wait_for,
                      wait_gone, when)
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.display import RankError, RunInterrupted
 
 def assert_next_cell_works(spawn) -> None:
@@ -95,7 +95,7 @@ def record(pid: str) -> str:
 
 
 def kill_the_launcher(ip) -> None:
-    os.kill(ip._xla_magic_session.launcher.pid, signal.SIGKILL)
+    os.kill(ip._xla_magic_session.host.launcher.pid, signal.SIGKILL)
 
 
 def _own_group(controller: str) -> str:
@@ -327,7 +327,7 @@ def check_case(ip, spawn, mode: str, case: Case, marks: str) -> None:
     allowed = pool_processes(ip) | (started | kept_below(started) if kept else set()) if mode == "pool" else set()
     assert wait_gone(p.pid for p in extension_processes(ip) if p.pid not in allowed) == []
     if case.during is not kill_the_launcher:
-        assert ip._xla_magic_session.launcher.alive(), "the launcher must survive faults"
+        assert ip._xla_magic_session.host.launcher.alive(), "the launcher must survive faults"
     if kept and started:
         with capture_output():
             ip.run_line_magic("xla_pool", "restart")  # ends the old ranks and all they kept
@@ -444,7 +444,7 @@ def test_garbled_message_becomes_an_error_not_a_crash(spawn):
     # The cell finds its own events socket and writes a frame that is not an event.
     cell = (
         "import gc\n"
-        "from xla_magic import protocol\n"
+        "from xla_magic.wire import protocol\n"
         "channel = next(o for o in gc.get_objects() if isinstance(o, protocol.Channel) and o.sock.fileno() >= 0)\n"
         "channel.sock.sendall(b'\\x00\\x00\\x00\\x05garbage')\n"
         "import time; time.sleep(600)"
@@ -523,7 +523,7 @@ def test_no_listener_is_open_during_a_run(ip, spawn, tmp_path):
     their own on loopback; this cell uses neither, so nothing may listen at all,
     nor bind a unix socket to a name (a path or an abstract name) others could reach.
     """
-    launcher = ip._xla_magic_session.ready_launcher().pid
+    launcher = ip._xla_magic_session.host.ready_launcher().pid
     with every_bind_and_listen([os.getpid(), launcher], str(tmp_path)) as calls:
         spawn("--devices 2", "rank")
     assert [args for call, args in calls if call == "listen"] == []
@@ -531,7 +531,7 @@ def test_no_listener_is_open_during_a_run(ip, spawn, tmp_path):
 
 
 def test_collectives_listen_on_loopback_only(ip, spawn, tmp_path):
-    launcher = ip._xla_magic_session.ready_launcher().pid
+    launcher = ip._xla_magic_session.host.ready_launcher().pid
     with every_bind_and_listen([launcher], str(tmp_path)) as calls:
         spawn("--devices 2", "strategy.barrier()\nrank")
     assert [call for call, _ in calls if call == "listen"], "gloo opened no listener: the cell did not exercise a collective"
@@ -581,7 +581,7 @@ def test_known_tpu_runtime_conflicts_are_explained(spawn, message, advice):
         spawn("--devices 2", f"raise RuntimeError({message!r})")
     rendered = "\n".join(info.value._render_traceback_())
     assert "What to do: " in rendered and advice in rendered
-    assert re.search(r"What to do: .* See docs/troubleshooting\.md#[a-z0-9-]+\.$", rendered, re.MULTILINE), rendered
+    assert re.search(r"What to do: .* %xla_help [a-z0-9-]+ says more\.$", rendered, re.MULTILINE), rendered
     assert HOST_ADVICE not in rendered
 
 
@@ -592,7 +592,7 @@ def test_the_host_allocators_own_error_gets_the_host_advice(spawn):
     rendered = strip_ansi("\n".join(info.value._render_traceback_()))
     assert "DefaultCPUAllocator" in rendered  # c10/core/impl/alloc_cpu.cpp
     assert "What to do: " in rendered and HOST_ADVICE in rendered
-    assert re.search(r"What to do: .* See docs/troubleshooting\.md#[a-z0-9-]+\.$", rendered, re.MULTILINE), rendered
+    assert re.search(r"What to do: .* %xla_help [a-z0-9-]+ says more\.$", rendered, re.MULTILINE), rendered
     assert DEVICE_ADVICE not in rendered
 
 

@@ -63,6 +63,7 @@ def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
             "%load_ext xla_magic",
             "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
             "%%xla_spawn --devices 2\nrank",
+            "%xla_help kernel-initialised-xla",
         ),
         PJRT_DEVICE="CPU",
     )
@@ -70,6 +71,11 @@ def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
     refused = text_of(nb.cells[2])
     assert "UsageError" in refused
     assert "initialised an XLA runtime" in refused and "Restart the kernel" in refused
+    # the line the refusal ends with, run in the same notebook, shows its troubleshooting entry there
+    assert refused.rstrip().endswith("%xla_help kernel-initialised-xla says more.")
+    (shown,) = [output for output in nb.cells[3].outputs if output.output_type == "display_data"]
+    assert shown.data["text/markdown"].startswith("**%%xla_spawn refused: this kernel has initialised an XLA runtime**")
+    assert "keep every use of torch_xla inside" in " ".join(shown.data["text/markdown"].split())
 
 
 @pytest.fixture
@@ -107,7 +113,7 @@ def test_killed_kernel_takes_launcher_and_ranks_with_it(kernel):
 
     # Start a long cell without waiting for it, then kill the kernel under it.
     kernel.client.execute(
-        "print('pid', get_ipython()._xla_magic_session.ensure_launcher().pid, flush=True)\n"
+        "print('pid', get_ipython()._xla_magic_session.host.ensure_launcher().pid, flush=True)\n"
     )
     kernel.client.execute(
         "%%xla_spawn --devices 2\nimport os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(600)"

@@ -22,7 +22,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
-from xla_magic import launcher_client, policy, protocol, transport
+from xla_magic import launcher_client, policy
+from xla_magic.wire import protocol, transport
 from xla_magic.pool import Cell
 from xla_magic.ranks import Ranks
 from xla_magic.request import Request
@@ -67,7 +68,7 @@ def test_an_interrupt_while_the_launcher_takes_a_cell_costs_the_launcher_not_the
     """Its STARTED would otherwise be read by the next cell, which would then
     signal a dead process group on timeout, interrupt and failure."""
     session = ip._xla_magic_session
-    old = session.ready_launcher()
+    old = session.host.ready_launcher()
     os.kill(old.pid, signal.SIGSTOP)  # takes the job into its socket buffer, never answers
     pressed = interrupt_once_sent(old)
     try:
@@ -78,7 +79,7 @@ def test_an_interrupt_while_the_launcher_takes_a_cell_costs_the_launcher_not_the
     assert pressed.is_set()
     assert type(info.value) is RunInterrupted, repr(info.value)
     assert "the launcher was stopped" in str(info.value)
-    assert not old.alive() and session.launcher is None
+    assert not old.alive() and session.host.launcher is None
     assert session.history[-1].outcome == "interrupted"
 
     with pytest.raises(RankError, match="timed out after 1 s"):
@@ -93,10 +94,10 @@ def test_ranks_take_their_policy_from_their_job_and_refuse_a_job_that_names_none
     class Unnamed(policy.OneShot):
         name = "kept"  # neither protocol.ONE_SHOT nor protocol.POOL
 
-    ranks = Ranks(plan("cpu", 2, "%%xla_spawn"), Unnamed(), "cpu", session.workdir)
+    ranks = Ranks(plan("cpu", 2, "%%xla_spawn"), Unnamed(), "cpu", session.host.workdir)
     try:
         with capture_output(), pytest.raises(RankError) as info:
-            session.cell(ranks, Cell("rank", backend="cpu"))
+            session.host.cell(ranks, Cell("rank", backend="cpu"))
     finally:
         ranks.stop()
     text = "\n".join(info.value._render_traceback_())
@@ -108,7 +109,7 @@ def test_ranks_take_their_policy_from_their_job_and_refuse_a_job_that_names_none
 
 def test_a_launcher_that_does_not_take_a_cell_is_replaced_without_leaks(ip, spawn, monkeypatch):
     session = ip._xla_magic_session
-    old = session.ready_launcher()
+    old = session.host.ready_launcher()
     monkeypatch.setattr(launcher_client, "SUBMIT_TIMEOUT", 1.0)
     os.kill(old.pid, signal.SIGSTOP)
     try:
@@ -123,11 +124,11 @@ def test_a_launcher_that_does_not_take_a_cell_is_replaced_without_leaks(ip, spaw
     assert spawn("--devices 2", "rank").value == [0, 1]
 
     # One killed from outside is noticed at the next cell: its socket and directory go too.
-    dead = session.launcher
+    dead = session.host.launcher
     psutil.Process(dead.pid).kill()
     dead.process.wait()
     assert spawn("--devices 2", "rank").value == [0, 1]
-    assert session.launcher is not dead
+    assert session.host.launcher is not dead
     assert not os.path.exists(dead.dir) and dead.channel.sock.fileno() == -1
 
 
@@ -139,7 +140,7 @@ def test_a_bad_interpreter_fails_the_first_cell_not_load_ext(ip, spawn, monkeypa
         ip.run_line_magic("load_ext", "xla_magic")  # its prewarm fails quietly
         assert "xla_spawn" in ip.magics_manager.magics["cell"]
         session = ip._xla_magic_session
-        assert session.launcher is None
+        assert session.host.launcher is None
         ip.user_ns["big"] = torch.ones(1 << 20)  # 4 MiB: it travels through shared memory
         with pytest.raises(UsageError, match="/nonexistent/python3.*XLA_MAGIC_PYTHON") as info:
             spawn("--devices 2", "float(big.sum())")
@@ -149,7 +150,7 @@ def test_a_bad_interpreter_fails_the_first_cell_not_load_ext(ip, spawn, monkeypa
         assert info.value.__traceback__ is not None
         assert transport.segment_names(transport.kernel_prefix()) == []
         assert own_sockets() == sockets
-        assert os.listdir(session.workdir.path) == []  # no launcher directory left behind
+        assert os.listdir(session.host.workdir.path) == []  # no launcher directory left behind
     finally:
         ip.user_ns.pop("big", None)
         monkeypatch.undo()
@@ -162,8 +163,8 @@ def test_ranks_see_the_kernel_environment_as_it_is_now(ip, spawn, monkeypatch):
     session = ip._xla_magic_session
     monkeypatch.setenv("XLA_MAGIC_TEST_DROPPED", "set before the launcher started")
     monkeypatch.setenv("XLA_MAGIC_TEST_CHANGED", "before")
-    session.drop_launcher()
-    launcher = session.ready_launcher()
+    session.host.drop_launcher()
+    launcher = session.host.ready_launcher()
     monkeypatch.delenv("XLA_MAGIC_TEST_DROPPED")
     monkeypatch.setenv("XLA_MAGIC_TEST_CHANGED", "after")
     monkeypatch.setenv("XLA_MAGIC_TEST_ADDED", "added later")
@@ -212,7 +213,7 @@ def test_the_gloo_store_goes_when_the_kernel_kills_a_failing_run(ip):
     stores = set(re.findall(r"\] store (\S+)", captured.stdout))
     assert len(stores) == 1, captured.stdout
     store = stores.pop()
-    assert store.startswith(session.workdir.path + os.sep)
+    assert store.startswith(session.host.workdir.path + os.sep)
     assert not os.path.exists(store)  # the supervisor was SIGTERMed: the kernel removed it
 
 
@@ -251,9 +252,9 @@ def test_an_interrupted_unload_still_ends_the_session(ip, spawn):
     session = ip._xla_magic_session
     run = spawn("--devices 1", "for i in range(1100):\n    print(i)")
     log = re.search(r"every line goes to (\S+)", run.stdout).group(1)
-    workdir = session.workdir.path
+    workdir = session.host.workdir.path
     assert log.startswith(workdir + os.sep) and os.path.exists(log)  # the cell showed its path: it stays
-    launcher = session.ready_launcher()
+    launcher = session.host.ready_launcher()
     os.kill(launcher.pid, signal.SIGSTOP)  # it will not answer STOP, so unloading waits for it
     pressed = interrupt_when(lambda: main_thread_in(launcher_client.Launcher.stop))  # the wait
     try:
@@ -276,8 +277,8 @@ def test_the_session_directory_goes_when_the_kernel_exits_without_closing():
     script = (
         "from xla_magic.session import Session\n"
         "session = Session()\n"
-        "launcher = session.ensure_launcher()\n"
-        "print(session.workdir.path, launcher.dir, flush=True)\n"
+        "launcher = session.host.ensure_launcher()\n"
+        "print(session.host.workdir.path, launcher.dir, flush=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -290,7 +291,7 @@ def test_a_killed_kernel_s_directory_is_removed_by_the_next_session():
     script = (
         "from xla_magic.session import Session\n"
         "session = Session()\n"
-        "print(session.workdir.new('logs-1-'), flush=True)\n"
+        "print(session.host.workdir.new('logs-1-'), flush=True)\n"
         "import time; time.sleep(60)\n"
     )
     # The same temporary folder as this process's (conftest.py gives the tests one of their own).

@@ -77,7 +77,7 @@ def test_a_result_whose_loading_raises_systemexit_names_the_rank(spawn):
 
 
 def test_a_launcher_killed_mid_cell_is_named_and_the_next_cell_recovers(ip, spawn):
-    pid = ip._xla_magic_session.ready_launcher().pid
+    pid = ip._xla_magic_session.host.ready_launcher().pid
     killed = when(lambda: shown("working") >= 2, lambda: os.kill(pid, signal.SIGKILL))  # both ranks at work
     with pytest.raises(RankError) as info:
         spawn("--devices 2", "import time\nprint('working', flush=True)\ntime.sleep(300)")
@@ -93,7 +93,7 @@ def test_a_pool_whose_launcher_died_says_so(ip, spawn):
     pool_magic(ip, "start --devices 2 --backend cpu")
     try:
         pool = ip._xla_magic_session.pool
-        launcher = ip._xla_magic_session.launcher.pid
+        launcher = ip._xla_magic_session.host.launcher.pid
         os.kill(launcher, signal.SIGKILL)
         assert wait_gone([launcher, pool.ranks.supervisor_pid, *pool.pids.values()]) == []  # its pool dies with it
         with pytest.raises(UsageError, match=r"the launcher process died \(SIGKILL.*%xla_pool restart"):

@@ -162,6 +162,8 @@ def requirement_name(requirement: str) -> str:
 def test_wheel_holds_the_package_and_only_kernel_side_requirements(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
+        # %xla_help's text where there is no checkout (Colab, Kaggle): the troubleshooting page itself
+        assert archive.read("xla_magic/troubleshooting.md") == (ROOT / "docs" / "troubleshooting.md").read_bytes()
     package = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "xla_magic").rglob("*.py"))
     assert sorted(n for n in names if n.endswith(".py")) == package
     assert not [n for n in names if n.startswith(("tests/", "notebooks/", "benchmarks/"))]

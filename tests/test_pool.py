@@ -23,7 +23,8 @@ from IPython.utils.capture import capture_output
 from conftest import BACKING, kernel_is_xla_free
 from helpers import (WITHIN, WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in,
                      pool_magic, press_stop, shown, stopped, wait_for, wait_gone, when)
-from xla_magic import frame_writer, transport
+from xla_magic import frame_writer
+from xla_magic.wire import transport
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
 from xla_magic.ranks import Ranks
 from xla_magic.request import Request

@@ -10,12 +10,13 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from helpers import PROFILED
-from xla_magic import profile_trace, profile_view
+from xla_magic import profile_lanes, profile_view
+from xla_magic.wire import trace
 
 
 
 def file_events(path: str) -> list[dict]:
-    return profile_trace.complete_events(profile_trace.read_trace(path)["traceEvents"])
+    return trace.complete_events(trace.read_trace(path)["traceEvents"])
 
 
 def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
@@ -33,13 +34,13 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     # What was shown, the traces read while the cell ran, is what reading them now tells; the reader left no listener.
     assert profile_view.text(record) in run.stdout
     assert session.listeners == listening
-    found = profile_trace.lanes(record)
+    found = profile_lanes.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
     # Each rank process read its own trace and sent the digest with its reply; the files read here tell the same.
     for one in found:
         assert one.where.get("digest")
         files_only = {key: value for key, value in one.where.items() if key != "digest"}
-        here = profile_trace.lane(files_only, profile_trace.compile_labels(record.ranks[one.ranks[0]].xla))
+        here = trace.lane(files_only, profile_lanes.compile_labels(record.ranks[one.ranks[0]].xla))
         assert (here.events, here.runs, here.ops, here.lines, here.span) == (
             one.events, one.runs, one.ops, one.lines, one.span)
         assert here.lines and any(event.label for event in here.events if event.kind == "compile")
@@ -64,7 +65,7 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
         assert [e.kind for e in one.events if e.kind in ("annotation", "compile")] == ["annotation", "compile"] * 3
         assert any(e.kind == "device→host" for e in one.events)  # y.item()
         # Every event of the files is in one of the lane's runs, of its kind; the device ops' table counts them all.
-        every = profile_trace.every_event(where)
+        every = trace.every_event(where)
         counted: dict[str, int] = {}
         for run in one.runs:
             counted[run.kind] = counted.get(run.kind, 0) + run.count
@@ -81,9 +82,9 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
         assert all(r.kind == m.kind for m in its for r in m.runs)
         assert len(its) <= len(one.runs)
         scale = profile_view.scale(found)
-        alone = [profile_trace.Run(e.kind, e.start, e.start, e.start + e.duration, e.start + e.duration, 1,
-                                   e.duration, {e.name: 1}, e) for e in profile_trace.every_event(one.where)]
-        by_event = profile_view.marks(profile_trace.Lane(one.ranks, one.where, runs=alone, span=one.span), scale)
+        alone = [trace.Run(e.kind, e.start, e.start, e.start + e.duration, e.start + e.duration, 1,
+                                   e.duration, {e.name: 1}, e) for e in trace.every_event(one.where)]
+        by_event = profile_view.marks(trace.Lane(one.ranks, one.where, runs=alone, span=one.span), scale)
         assert [(m.kind, m.left, round(m.right, 6), m.count) for m in its] == [
             (m.kind, m.left, round(m.right, 6), m.count) for m in by_event]
         # the picture's rows, made in one pass, are each row's kinds' marks
@@ -119,7 +120,7 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
 def test_a_profiled_spmd_cell_has_one_lane(ip, spawn):
     spawn("--spmd --devices 2 --profile", LINES, seen=seen)
     record = ip._xla_magic_session.last_profiled
-    [one] = profile_trace.lanes(record)
+    [one] = profile_lanes.lanes(record)
     assert one.ranks == [0] and not one.problem
     compiles = [e for e in file_events(one.where["trace"]) if e["name"] == "XLAGraphExecutor::Compile"]
     assert len([e for e in one.events if e.kind == "compile"]) == len(compiles) >= 1
@@ -143,7 +144,7 @@ def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     spawn("--devices 2 --backend tpu --profile", LINES, seen=seen)
     record = ip._xla_magic_session.last_profiled
-    [one] = profile_trace.lanes(record)  # the profiler is one per process: the first thread in starts it, the last stops it
+    [one] = profile_lanes.lanes(record)  # the profiler is one per process: the first thread in starts it, the last stops it
     assert one.ranks == [0, 1] and not one.problem, one.problem
     assert record.ranks[0].profile is record.ranks[1].profile
     assert len(profile_view.trace_files(record.profile)) == 1
@@ -166,7 +167,7 @@ def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, probl
                        profile=str(tmp_path))
     record.take("profile", {"ranks": [0], "host": "h", "trace": str(path) if content is not None else "",
                             "xplane": "", "error": ""})
-    [one] = profile_trace.lanes(record)
+    [one] = profile_lanes.lanes(record)
     assert problem in one.problem
     assert problem in profile_view.text(record) and problem in profile_view.page(record)
 
@@ -242,7 +243,7 @@ def check_lines(one, rank: int) -> None:
 def test_a_profiled_cell_shows_its_lines_in_the_order_they_ran(ip, pool, spawn):
     run = spawn("--profile", LINES, seen=seen)
     record = ip._xla_magic_session.last_profiled
-    found = profile_trace.lanes(record)
+    found = profile_lanes.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
     for one in found:
         assert os.path.isfile(one.where["lines"]) and os.path.dirname(one.where["lines"]) == one.where["folder"]
@@ -261,7 +262,7 @@ def test_a_profiled_cell_shows_its_lines_in_the_order_they_ran(ip, pool, spawn):
 def test_a_rank_that_uses_sigalrm_itself_keeps_it_and_still_gets_its_lines(ip, pool, spawn):
     spawn("", "import signal\nrang = []\nsignal.signal(signal.SIGALRM, lambda *_: rang.append(1))")
     spawn("--profile", LINES, seen=seen)
-    for one in profile_trace.lanes(ip._xla_magic_session.last_profiled):
+    for one in profile_lanes.lanes(ip._xla_magic_session.last_profiled):
         check_lines(one, one.ranks[0])  # sampled by a thread instead
     told = "from xla_magic.launcher import profiling\n(rang, signal.getsignal(signal.SIGALRM).__name__, " \
            "profiling.profiler().sampler.thread is not None)"

@@ -124,11 +124,11 @@ def test_a_killed_spmd_process_is_reported_by_signal(ip):
 )
 def test_bad_spmd_options_are_usage_errors_before_anything_starts(ip, line, message):
     session = ip._xla_magic_session
-    runs = session.run_count
+    runs = session.runs.run_count
     with pytest.raises(UsageError) as raised:
         ip.run_cell_magic("xla_spawn", line, "1")
     assert type(raised.value) is UsageError and message in str(raised.value), str(raised.value)
-    assert session.run_count == runs  # nothing was sent anywhere
+    assert session.runs.run_count == runs  # nothing was sent anywhere
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from torch import nn
 from conftest import BACKING
 from helpers import (FSDP_STEPS, FSDP_WRAP, interrupt_once_written, pool_magic, reference_training, spawn_cell,
                      strip_ansi)
-from xla_magic import transport
+from xla_magic.wire import transport
 from xla_magic.display import RankError, RunInterrupted
 
 

@@ -105,7 +105,7 @@ def test_only_the_launcher_is_left_between_cells(ip, spawn):
     """torch 2.8's inductor compile workers (or any helper) must not live under the launcher."""
     seen = spawn("--devices 2", "import os\nrepr(os.environ.get('TORCH_WARM_POOL'))").value
     assert seen == [repr(os.environ.get("TORCH_WARM_POOL"))] * 2  # the switch the launcher uses stays its own
-    launcher = psutil.Process(ip._xla_magic_session.launcher.pid)
+    launcher = psutil.Process(ip._xla_magic_session.host.launcher.pid)
     deadline = time.monotonic() + 20  # the run's supervisor exits just after the cell
     while launcher.children(recursive=True) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -116,7 +116,7 @@ def test_only_the_launcher_is_left_between_cells(ip, spawn):
 
 def test_the_launcher_reports_the_versions_this_stack_has(ip, spawn):
     spawn("--devices 1", "rank")
-    info = ip._xla_magic_session.launcher.info
+    info = ip._xla_magic_session.host.launcher.info
     assert info["torch_xla"] == metadata.version("torch_xla")
     assert info["torch"].split("+")[0] == metadata.version("torch")
     assert info["python"] == sys.executable or os.path.samefile(info["python"], sys.executable)

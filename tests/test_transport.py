@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 
 from conftest import BACKING, kernel_is_xla_free
 from helpers import WRITE_MEET_READ, interrupt_when, shown
-from xla_magic import transport
+from xla_magic.wire import transport
 from xla_magic.display import RankError, RunInterrupted
 
 BIG = 1 << 20  # elements: 4 MiB of float32, above the 1 MiB threshold
@@ -194,7 +194,7 @@ def test_segments_of_a_killed_kernel_are_swept_by_the_next_one(ip, spawn):
 
 NO_ROOM = """
 import resource, signal, sys, torch
-from xla_magic import transport
+from xla_magic.wire import transport
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 segments = transport.RunSegments()
@@ -212,7 +212,7 @@ def test_no_room_in_shared_memory_falls_back_to_the_pickle():
 
 
 def test_transport_imports_nothing_heavy():
-    probe = "import sys, xla_magic.transport; print(sorted(m for m in ('torch', 'numpy', 'IPython', 'torch_xla') if m in sys.modules))"
+    probe = "import sys, xla_magic.wire.transport; print(sorted(m for m in ('torch', 'numpy', 'IPython', 'torch_xla') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
 

@@ -180,7 +180,7 @@ def test_full_shows_the_table_after_the_cell_and_xla_report_shows_it_again(ip, s
     with capture_output() as shown:
         ip.run_line_magic("xla_report", "")
     text = shown.stdout
-    assert "compiled  compile time  cached  executed" in text
+    assert "compiled  compile time  cached  loaded  load time  executed" in text
     assert re.search(rf"0-1\s+line {RAGGED_SYNC_LINE}\s+torch_xla.sync\(\)\s+user torch_xla.sync", text), text
     assert "Metric:" not in text and "Counter:" not in text  # never torch_xla's raw report
     with pytest.raises(UsageError, match="takes no|unrecognized"):

@@ -1,4 +1,4 @@
-"""xla_magic: run notebook cells on every TPU core, with the kernel XLA-free.
+"""xla_magic: run notebook cells on every TPU core, with the kernel XLA-free. Runs in the kernel.
 
 ``%load_ext xla_magic`` registers the magics. This module and everything it
 imports run in the kernel and never import torch_xla.
@@ -14,9 +14,6 @@ from xla_magic.kernel_strategy import strategy
 __all__ = ["strategy", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
 
-_MAGIC_NAMES = {"cell": ("xla_spawn",), "line": ("xla_status", "xla_pool", "xla_report", "xla_profile")}
-
-
 def load_ipython_extension(ipython: Any) -> None:
     from xla_magic.magics import XlaMagics
     from xla_magic.session import Session
@@ -24,8 +21,10 @@ def load_ipython_extension(ipython: Any) -> None:
     if getattr(ipython, "_xla_magic_session", None) is not None:
         return
     session = Session()
-    ipython.register_magics(XlaMagics(ipython, session))
+    magics = XlaMagics(ipython, session)
+    ipython.register_magics(magics)
     ipython._xla_magic_session = session
+    ipython._xla_magic_magics = magics
     if os.environ.get("XLA_MAGIC_PREWARM", "1") != "0":
         _prewarm(session)
 
@@ -38,7 +37,7 @@ def _prewarm(session: Any) -> None:
     from xla_magic.launcher_client import LauncherError
 
     try:
-        session.ensure_launcher()
+        session.host.ensure_launcher()
     except LauncherError:
         pass
 
@@ -48,11 +47,13 @@ def unload_ipython_extension(ipython: Any) -> None:
     if session is None:
         return
     try:
-        magics = ipython.magics_manager.magics
-        for kind, names in _MAGIC_NAMES.items():
+        # The names the class registered, read from it, so a new magic is unregistered too.
+        table = ipython.magics_manager.magics
+        for kind, names in ipython._xla_magic_magics.magics.items():
             for name in names:
-                magics[kind].pop(name, None)
+                table[kind].pop(name, None)
         session.close()
     finally:
         # Even if closing was cut short: a later %load_ext must start afresh.
         ipython._xla_magic_session = None
+        ipython._xla_magic_magics = None

@@ -93,8 +93,10 @@ class TaggedOutput:
         live: Callable[[int, str], None] | None = None,
         label: Callable[[int], str] = rank_label,
         log_stem: Callable[[int], str] = lambda rank: f"rank{rank}",
+        quiet: Callable[[str], bool] | None = None,
     ) -> None:
         self.lines_per_rank = lines_per_rank  # None: show every line (a host relaying to the kernel, which folds)
+        self.quiet = quiet  # stderr lines not to show (XLA:CPU's cache warnings, where the cache is forced on there)
         self.label = label
         self.log_stem = log_stem
         self._log_dir = log_dir or (lambda: tempfile.mkdtemp(prefix="xla_magic-logs-"))
@@ -138,6 +140,10 @@ class TaggedOutput:
     # -- internals ---------------------------------------------------------
 
     def _emit(self, state: _RankStream, lines: list[str]) -> None:
+        if self.quiet is not None and state.stream == "stderr":
+            lines = [line for line in lines if not self.quiet(line)]
+            if not lines:
+                return
         if any("\r" in line for line in lines):
             lines = [settle_carriage_returns(line) for line in lines]
         self.lines += len(lines)

@@ -1,4 +1,4 @@
-"""Writing one request frame on a rank's socket, knowing exactly how much went when an interrupt stops it.
+"""Writing one request frame on a rank's socket, knowing exactly how much went when an interrupt stops it. Runs in the kernel.
 
 Runs in the kernel. Python raises KeyboardInterrupt in the main thread at the
 end of a call, so an interrupt that lands just as ``sock.send`` returns loses

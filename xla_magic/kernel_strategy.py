@@ -1,4 +1,4 @@
-"""``from xla_magic import strategy``: one object for the kernel and the ranks.
+"""``from xla_magic import strategy``: one object for the kernel and the ranks. Runs on both sides.
 
 Imported in the kernel and, through pickling, in ranks. Inside a rank it
 stands for that rank's strategy; in the kernel, where no rank runs, using it

@@ -1,4 +1,4 @@
-"""The kernel's handle on its launcher process, and the session's private directory.
+"""The kernel's handle on its launcher process, and the session's private directory. Runs in the kernel.
 
 Runs in the kernel. The launcher (``python -m xla_magic.launcher``) is started
 here with one end of a socket pair; jobs go to it with their sockets attached
@@ -20,7 +20,8 @@ import weakref
 from typing import Any
 
 
-from xla_magic import place, protocol, transport
+from xla_magic import place
+from xla_magic.wire import protocol, transport
 from xla_magic.troubleshooting import see
 
 READY_TIMEOUT = 300.0
@@ -96,7 +97,7 @@ def sweep_orphan_dirs(root: str | None = None) -> None:
 
 
 class LauncherError(RuntimeError):
-    pass
+    """The launcher, the process that starts every rank, could not start or died starting: the message says why."""
 
 
 class Launcher:
@@ -200,7 +201,7 @@ class Launcher:
             raise LauncherError(
                 f"the launcher could not import torch_xla with {self.python}: "
                 f"{event.fields['message']}. Install it there (locally: "
-                f"pip install 'xla_magic[local]'; Colab and Kaggle TPU images ship it), "
+                f"pip install '.[local]' in xla_magic's clone; Colab and Kaggle TPU images ship it), "
                 f"or point XLA_MAGIC_PYTHON at an interpreter that has it. " + see("launcher-no-torch-xla")
             )
         raise LauncherError(f"the launcher exited while starting{self._log_excerpt()}")

@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, policy, protocol, sharding, transport
+from xla_magic import compile_cache, payload, policy, sharding, watch
+from xla_magic.wire import protocol, transport
 from xla_magic.launcher_client import READY_TIMEOUT
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
 from xla_magic.ranks import Ranks
@@ -36,7 +37,8 @@ class LocalPool:
         self.runner = runner
         self.ranks = ranks
         self.xla_report = xla_report or "auto"  # the pool's --xla-report, for cells that give none
-        self.options = PoolOptions(devices=ranks.devices, backend=ranks.requested_backend, xla_report=xla_report)
+        self.options = PoolOptions(devices=ranks.devices, backend=ranks.requested_backend, xla_report=xla_report,
+                                   compile_cache=ranks.cache)
 
     @staticmethod
     def check_options(options: PoolOptions) -> None:
@@ -47,22 +49,26 @@ class LocalPool:
         """``%xla_pool start``: ready ranks (or, with ``options.spmd``, an SPMD process) on this host."""
         backend = options.backend or "auto"
         placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
-        ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world)
+        ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world,
+                      cache=compile_cache.resolve(options.compile_cache))
         ranks.hang_after = options.hang_after
-        record = runner.record(runner.next_run_id(), "%xla_pool start", ranks)
+        record = runner.record(runner.history.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
-                        on_update=runner.notify, live_lines=options.live_lines)
+                        on_update=runner.history.notify, live_lines=options.live_lines)
         began = time.monotonic()
         try:
             runner.launch(ranks, record, first=None)
             start.start()
-            start.wait()
+            try:
+                start.wait()
+            finally:
+                runner.tell_cache(ranks)
         except BaseException:
             ranks.stop()
             raise
         ranks.start_answered(time.monotonic() - began)
         pool = cls(runner, ranks, options.xla_report)
-        runner.notify(record)  # a panel on show learns of the pool now, not at its next redraw
+        runner.history.notify(record)  # a panel on show learns of the pool now, not at its next redraw
         return pool
 
     # -- what the session reads --------------------------------------------------
@@ -91,6 +97,12 @@ class LocalPool:
     def start_seconds(self) -> float:
         return self.ranks.start_seconds or 0.0
 
+    def label(self, rank: int) -> str:
+        return self.ranks.label(rank)
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        return watch.where_now(self.ranks, everything)
+
     # -- requests ------------------------------------------------------------------
 
     def check_start(self, options: PoolOptions) -> None:
@@ -104,6 +116,13 @@ class LocalPool:
         if cell.fresh:
             return self.run_fresh(cell)
         ranks.check_fits(cell.devices, cell.backend, cell.spmd)
+        if cell.compile_cache is not None and cell.compile_cache != ranks.cache:
+            raise UsageError(
+                f"the pool's ranks opened their compilation cache when they started "
+                f"({ranks.cache.describe(ranks.placement.on_cpu)}), so --compile-cache cannot change it for one "
+                f"cell. Leave it out to run in the pool, add --fresh for new ranks, or %xla_pool restart "
+                f"--compile-cache ... to replace the pool."
+            )
         ranks.check_usable()
         self.runner.guard_kernel(ranks)
         return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report, cell.hang_after or ranks.hang_after)
@@ -147,7 +166,8 @@ class LocalPool:
         options = options.but(devices=options.devices if options.devices is not None else old.devices,
                               backend=options.backend or old.requested_backend,
                               xla_report=options.xla_report or self.xla_report, spmd=spmd,
-                              hang_after=options.hang_after or old.hang_after)
+                              hang_after=options.hang_after or old.hang_after,
+                              compile_cache=options.compile_cache or old.cache)
         plan(options.backend, options.devices, "%xla_pool restart", spmd)  # bad options keep the old pool
         self.stop()
         return LocalPool.start(self.runner, options, old.world)

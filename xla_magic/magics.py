@@ -1,4 +1,4 @@
-"""The magics: parse arguments, hand over to the session, show the result.
+"""The magics: parse arguments, hand over to the session, show the result. Runs in the kernel.
 
 Runs in the kernel.
 """
@@ -13,10 +13,11 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
-from xla_magic import profile_view, widget, xla_report
+from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
 from xla_magic.display import in_notebook, syntax_error_in_cell
-from xla_magic.hosts.discovery import parse_hosts
+from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
 from xla_magic.pool import PoolOptions
 from xla_magic.session import Session
@@ -102,6 +103,18 @@ def xla_report_argument(function: Any) -> Any:
     )(function)
 
 
+def compile_cache_argument(function: Any) -> Any:
+    """--compile-cache, shared by %%xla_spawn and %xla_pool."""
+    return argument(
+        "--compile-cache", type=compile_cache.option, default=None, metavar="DIR",
+        help=f"where new ranks keep torch_xla's persistent compilation cache, so that a kernel restart or a new "
+        f"pool loads the graphs it compiled before instead of compiling them again: DIR (each rank process uses "
+        f"a folder of its own in it), on (the default directory), or off. Default: "
+        f"${compile_cache.VARIABLE} if set, else on a TPU under ~/.cache/xla_magic/compile-cache, and off on "
+        f"XLA:CPU (the simulation), which cannot load it; a directory or on turns it on there too",
+    )(function)
+
+
 def spmd_options(args: argparse.Namespace) -> SpmdOptions | None:
     """The SPMD options asked for, None without --spmd; --mesh or --axes alone is a UsageError."""
     if not args.spmd:
@@ -144,6 +157,7 @@ class XlaMagics(Magics):
     @spmd_arguments
     @xla_report_argument
     @hang_after_argument
+    @compile_cache_argument
     @argument(
         "--profile", action="store_true",
         help="record the cell on every rank with torch_xla's profiler and show a timeline of where each rank's time "
@@ -184,7 +198,7 @@ class XlaMagics(Magics):
                 cell, args.devices, args.backend, args.timeout, args.fresh,
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
                 spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
-                hang_after=args.hang_after,
+                hang_after=args.hang_after, compile_cache=args.compile_cache,
             )
         except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
             shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())
@@ -229,6 +243,30 @@ class XlaMagics(Magics):
         if record is None:
             raise UsageError("no %%xla_spawn --profile cell has run yet: run one, then %xla_profile shows it again")
         profile_view.show(record, text=args.text)
+
+    @magic_arguments()
+    @argument("entry", nargs="?", help="the entry an error message names (%%xla_help ID says more.); none: list them")
+    @line_magic
+    def xla_help(self, line: str) -> None:
+        """Show a troubleshooting entry here in the notebook: what an error means and what to do.
+
+        An error message that has an entry ends with ``%xla_help ID says
+        more.``; run that line to read the entry (the text of the
+        documentation's Troubleshooting page). ``%xla_help`` alone lists every
+        entry with its message.
+        """
+        args = parse_argstring(self.xla_help, line)
+        known = troubleshooting.entries()
+        if not known:
+            raise UsageError("this installation has no troubleshooting page (xla_magic/troubleshooting.md): "
+                             "reinstall xla_magic from its wheel, or read docs/troubleshooting.md in its repository")
+        if args.entry is None:
+            print("\n".join(f"%xla_help {entry.id:<32} {entry.message}" for entry in known.values()))
+            return
+        entry = known.get(args.entry.strip().lstrip("#"))
+        if entry is None:
+            raise UsageError(f"no troubleshooting entry {args.entry!r}: %xla_help alone lists them")
+        display({"text/plain": entry.text(), "text/markdown": entry.markdown()}, raw=True)
 
     @magic_arguments()
     @argument("-r", "--rank", type=int, default=None, help="only this rank's stack")
@@ -288,12 +326,13 @@ class XlaMagics(Magics):
     @argument(
         "--launch", metavar="TEMPLATE",
         help="with --hosts: the command that runs the engine on a host, with {host} and {index} "
-        "(default: 'ssh -T -o BatchMode=yes {host}'; e.g. 'ip netns exec ns{index}', "
+        f"(default: '{DEFAULT_TEMPLATE}'; e.g. 'ip netns exec ns{{index}}', "
         "'kubectl exec -i worker-{index} --')",
     )
     @spmd_arguments
     @xla_report_argument
     @hang_after_argument
+    @compile_cache_argument
     @line_magic
     def xla_pool(self, line: str) -> None:
         """Keep ranks alive between %%xla_spawn cells: a persistent pool.
@@ -316,11 +355,11 @@ class XlaMagics(Magics):
 
         ``%xla_pool start --hosts A,B [--devices N] [--launch TEMPLATE]``
         spans several hosts as one world: an ipyparallel engine on each host
-        (started by the launch template, ``ssh {host}`` by default) runs
+        (started by the launch template, see ``--launch`` for its default) runs
         that host's launcher and N ranks; cells then see ``rank`` (global),
         ``world_size`` (every host), ``local_rank`` and ``host``, output is
         tagged ``[hH rN]``, and the value lists every global rank's result.
-        See docs/several-hosts.md.
+        The documentation's Several hosts page tells more.
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)
@@ -329,7 +368,7 @@ class XlaMagics(Magics):
                                   spmd=spmd_options(args), xla_report=args.xla_report,
                                   hosts=parse_hosts(args.hosts) if args.hosts is not None else None,
                                   template=_unquoted(args.launch) if args.launch is not None else None,
-                                  hang_after=args.hang_after)
+                                  hang_after=args.hang_after, compile_cache=args.compile_cache)
             if args.action == "start":
                 self.session.start_pool(options)
             else:
@@ -376,6 +415,9 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
                          "%xla_pool start --hosts 10.0.0.2,10.0.0.3 --launch 'ssh {host}'")
     if args.xla_report is not None and args.action not in ("start", "restart"):
         raise UsageError("--xla-report goes with %xla_pool start and restart only (or with %%xla_spawn, for one cell)")
+    if args.compile_cache is not None and args.action not in ("start", "restart"):
+        raise UsageError("--compile-cache goes with %xla_pool start and restart only (or with %%xla_spawn, for "
+                         "new ranks)")
     if args.rank is not None and args.action != "pull":
         raise UsageError("--rank goes with %xla_pool pull only")
     if (args.devices is not None or args.backend is not None) and args.action not in ("start", "restart"):

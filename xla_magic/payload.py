@@ -1,4 +1,4 @@
-"""A cell's source: whether it compiles, what it returns, which notebook names it reads.
+"""A cell's source: whether it compiles, what it returns, which notebook names it reads. Runs in the kernel.
 
 Runs in the kernel. A cell is IPython code: what is not plain Python
 (``%time``, ``!ls``, ``x = !ls``) is turned into Python by IPython's own
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 from IPython.core.error import UsageError
 from IPython.core.inputtransformer2 import TransformerManager
 
-from xla_magic import transport
+from xla_magic.wire import transport
 from xla_magic.troubleshooting import see
 
 # Names every rank provides itself; the kernel's values are never shipped.

@@ -14,7 +14,7 @@ set (ranks.py) moves its own state.
 
 from __future__ import annotations
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 
 RESTART_HINT = "%xla_pool restart starts fresh ranks (their namespaces are lost)"
 

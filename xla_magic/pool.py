@@ -15,7 +15,7 @@ from typing import Any, Mapping, Protocol
 
 from IPython.core.error import UsageError
 
-from xla_magic import sharding
+from xla_magic import compile_cache, sharding
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Cell:
     place: dict[str, Any] | None = None  # on one of several hosts: the kernel's place (xla_magic.place), not this one
     profile: bool = False  # --profile
     hang_after: float | None = None  # --hang-after (watch.py)
+    compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache, for new ranks; None: as the default
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class PoolOptions:
     hosts: list[str] | None = None  # a pool across these hosts (one engine each)
     template: str | None = None  # with hosts: the command that starts an engine on a host
     hang_after: float | None = None  # --hang-after, for the pool's cells that give none
+    compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache; None: the default (restart: as before)
 
     def but(self, **changes: Any) -> PoolOptions:
         return replace(self, **changes)
@@ -99,6 +101,12 @@ class Pool(Protocol):
 
     def describe(self) -> str:
         """One line: kind, size, state."""
+
+    def label(self, rank: int) -> str:
+        """How output and errors name (global) rank ``rank``: ``rank 3``, ``spmd``, ``h1 r3``."""
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        """Where every rank is now, by (global) rank, threads a cell left running included (``%xla_stacks``)."""
 
 
 def check_rank(rank: int | None, size: int, where: str) -> None:

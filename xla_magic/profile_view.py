@@ -1,6 +1,6 @@
 """Where each rank's time went in a ``--profile`` cell, drawn from its trace. Runs in the kernel (XLA-free).
 
-The ranks' traces are read into lanes by profile_trace.py (which says what
+The ranks' traces are read into lanes by wire/trace.py (which says what
 each kind of event is); this module draws one lane per rank as an SVG (a
 notebook) or a text summary (a terminal), with a table of time by kind, the
 top device ops and the slowest rank against the others.
@@ -17,8 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from xla_magic.display import in_notebook
-from xla_magic.profile_trace import KINDS, LEFT, PIXEL, PLOT, WIDTH, Event, Lane, Reader, Run, lanes
+from xla_magic.profile_lanes import Reader, lanes
 from xla_magic.record import RunRecord
+from xla_magic.wire.trace import KINDS, STEPS, THINNEST_STEPS, Event, Lane, Run
+
+# The timeline's geometry, in viewBox units: a unit is about a pixel at 1× (the notebook's width); at the widest
+# zoom (16×) a sixteenth of one is a pixel, which is the traces' own resolution (wire/trace.py's STEPS).
+WIDTH = 1000  # across
+LEFT = 70  # where time starts (the rows' names are left of it)
+PLOT = WIDTH - LEFT - 10  # the units time spans: the longest lane fills it
+PIXEL = PLOT / STEPS  # marks of one kind closer than that are one mark, as the eye sees them at 16×
+THINNEST = THINNEST_STEPS * PIXEL  # the narrowest mark drawn
 
 TOP_OPS = 8
 MARKS_KEPT = 4000  # marks drawn per row of a lane (the rest are in the trace files)
@@ -177,7 +186,7 @@ def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]
     and the tables tell the same counts; a trace's thousands of
     sub-microsecond ops become a few dozen rects, which the notebook draws
     and zooms without effort. A lane's runs were made at its own scale, the
-    finest it is drawn at (profile_trace.Run): here they join as its events
+    finest it is drawn at (wire/trace.py's Run): here they join as its events
     would.
     """
     found: list[Mark] = []
@@ -187,7 +196,7 @@ def marks(one: Lane, scale: float, kinds: tuple[str, ...] = KINDS) -> list[Mark]
         if kind not in kinds:
             continue
         left = LEFT + run.start * scale
-        right = run.right(scale)
+        right = _right(run, scale)
         mark = open_marks.get(kind)
         if mark is not None and left <= mark.right + PIXEL:
             mark.runs.append(run)
@@ -256,7 +265,7 @@ def _line_mark(event: Event, per_us: float) -> Mark:
     """A sampled line is a mark of its own (each line its colour)."""
     end = event.start + event.duration
     run = Run("line", event.start, event.start, end, end, 1, event.duration, {event.name: 1}, event)
-    return Mark("line", LEFT + event.start * per_us, run.right(per_us), [run])
+    return Mark("line", LEFT + event.start * per_us, _right(run, per_us), [run])
 
 
 def line_note(found: list[Lane]) -> str:
@@ -365,3 +374,9 @@ def trace_files(folder: str) -> list[str]:
     """Every trace.json.gz under a run's profile folder (for tests and tools)."""
     return sorted(os.path.join(root, name) for root, _dirs, names in os.walk(folder)
                   for name in names if name.endswith(".trace.json.gz"))
+
+
+def _right(run: Run, per_us: float) -> float:
+    """Where a run's mark ends on a timeline of ``per_us`` units per µs (each of its events drawn at least
+    THINNEST wide, the last one starting last)."""
+    return LEFT + max(run.end * per_us, run.last_start * per_us + THINNEST)

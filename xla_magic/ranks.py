@@ -37,7 +37,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import frame_writer, probe, protocol, sharding, transport
+from xla_magic import compile_cache, frame_writer, probe, sharding
+from xla_magic.wire import protocol, transport
+from xla_magic.hosts import naming
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
 from xla_magic.policy import RESTART_HINT, Policy
 from xla_magic.shipping import Shipping
@@ -105,7 +107,7 @@ class Ranks:
     """The kernel's handle on one launcher job's ranks."""
 
     def __init__(self, placement: probe.Placement, policy: Policy, requested_backend: str, workdir: PrivateDir,
-                 world: dict[str, Any] | None = None) -> None:
+                 world: dict[str, Any] | None = None, cache: compile_cache.CacheSetting | None = None) -> None:
         self.placement = placement
         self.world = world  # one host's ranks of several (see xla_magic.hosts): host, rank_offset, world_size...
         self.backend = placement.backend
@@ -139,6 +141,12 @@ class Ranks:
         self.store: str | None = None  # the gloo store's directory, for the set's life
         self.hang_after: float | None = None  # a pool's --hang-after, for cells that give none (watch.py)
         self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
+        # torch_xla's persistent compilation cache: what was asked for, what the ranks' job says, what each
+        # rank reported when it was ready (its directory, or why it has none), and its stderr lines not shown.
+        self.cache = cache if cache is not None else compile_cache.resolve(None)
+        self.cache_job = self.cache.job(placement.on_cpu)
+        self.cache_facts: dict[int, dict[str, Any]] = {}
+        self.quiet_line = compile_cache.quiet_line(self.cache_job)
         self._seq = 0
 
     # -- starting --------------------------------------------------------
@@ -162,6 +170,7 @@ class Ranks:
                 "first": first,
                 "spmd": self._spmd_job(),
                 "world": self.world,
+                "compile_cache": self.cache_job,
             }
             self.supervisor_pid = launcher.submit(job, [sock.fileno() for sock in theirs])
         except BaseException:
@@ -203,7 +212,7 @@ class Ranks:
     def label(self, rank: int) -> str:
         """The tag of a rank's output and errors: ``rank N``, ``spmd``, or on several hosts ``hH rN`` (N global)."""
         if self.world:
-            return f"h{self.world['host']} r{self.world['rank_offset'] + rank}"
+            return naming.tag(self.world['host'], self.world['rank_offset'] + rank)
         return "spmd" if self.one_value else f"rank {rank}"
 
     def name(self, rank: int) -> str:
@@ -299,6 +308,11 @@ class Ranks:
             self.kill()
 
     # -- state: what its requests report, and what the set makes of it -----------
+
+    def cache_reported(self, rank: int, fact: dict[str, Any] | None) -> None:
+        """A rank's compilation cache as it was ready: its directory, or why it runs without one."""
+        if fact:
+            self.cache_facts[rank] = fact
 
     def start_answered(self, seconds: float) -> None:
         """Every rank answered the set's start (a pool's, which sends no cell): it is ready for requests."""

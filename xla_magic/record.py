@@ -42,6 +42,7 @@ class RunRecord:
     backend: str
     devices: int
     mesh: str = ""  # an SPMD run's mesh, as in "data=4 × model=2"; empty for one rank per device
+    one_value: bool = False  # its value is one value (the SPMD process's), not a list by rank
     started: float = field(default_factory=time.time)
     duration: float | None = None
     outcome: str = "running"
@@ -55,6 +56,8 @@ class RunRecord:
     stacks: dict[int, dict[str, Any]] = field(default_factory=dict)
     stacks_when: str = ""
     hang: str | None = None
+    # Since when (time.monotonic, on the host that asked) each rank has been where its last answer put it.
+    arrived: dict[int, float] = field(default_factory=dict)
     profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
 
     def take(self, kind: str, fact: dict[str, Any]) -> None:

@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol, rank_display, transport
+from xla_magic import rank_display
+from xla_magic.wire import protocol, transport
 from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.launcher_client import PrivateDir
 from xla_magic.policy import RESTART_HINT
@@ -85,7 +86,7 @@ class Request:
         self.output = TaggedOutput(
             lines_per_rank=None if ranks.world else DEFAULT_LINES_PER_RANK,
             log_dir=lambda: workdir.new(f"logs-{record.run_id}-"), on_line=self._on_line, live=self._live,
-            label=ranks.label,
+            label=ranks.label, quiet=ranks.quiet_line,
         )
         self.results: dict[int, Any] = {}
         self.failures: dict[int, RankFailure] = {}
@@ -314,7 +315,7 @@ class Request:
             self._take_result(rank, fields)
         elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
             self.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
-            if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_trace.Reader
+            if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_lanes.Reader
                 self.on_update(self.record)
         elif kind == protocol.ERROR:
             if self.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
@@ -335,6 +336,8 @@ class Request:
             self.ranks.thread_ranks.add(rank)
         if fields.get("memory") is not None:
             state.memory = fields["memory"]
+        if fields.get("state") == "ready":
+            self.ranks.cache_reported(rank, fields.get("compile_cache"))
         if fields.get("state") == "ready" and rank in self.targets and self.sent and self.frame is None:
             self.rank_state(rank, "running")  # its request came with the job: it runs it now
         else:

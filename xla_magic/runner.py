@@ -1,24 +1,26 @@
 """One host's machinery for running requests in ranks. Runs in the kernel, and in each host's engine.
 
 A :class:`Runner` owns what one host needs to run cells: its private
-directory, its launcher, the run ids and the recent records (the status
-panel's history) with their listeners. It runs one request in one
+directory and its launcher. It runs one request in one
 :class:`~xla_magic.ranks.Ranks` (a cell, a push, a pull, a pool's start)
-and spawns one-shot ranks. The kernel's session is a runner that also
-holds a pool; an engine on one of several hosts is a runner with a local
-pool and a part of the world, and knows nothing of the session.
+and spawns one-shot ranks, writing each run's record into the
+:class:`~xla_magic.history.History` it was given. The kernel's session
+holds one runner beside its history and its pool; an engine on one of
+several hosts holds one with a local pool, and knows nothing of the session.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, policy, probe, profile_view, protocol, sharding, xla_report
+from xla_magic import compile_cache, payload, place, policy, probe, profile_view, sharding, xla_report
+from xla_magic.wire import protocol
 from xla_magic.display import RunInterrupted
+from xla_magic.history import History
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pool import Cell
 from xla_magic.ranks import Ranks
@@ -52,20 +54,13 @@ def refuse_if_kernel_holds_devices(action: str) -> None:
 
 
 class Runner:
-    """One host's launcher, private directory and run records; runs requests in ranks."""
+    """One host's launcher and private directory; runs requests in ranks, their records kept in ``history``."""
 
-    HISTORY = 20
-
-    def __init__(self) -> None:
+    def __init__(self, history: History) -> None:
+        self.history = history
         self.workdir = PrivateDir()
         self.launcher: Launcher | None = None
-        self.run_count = 0
-        self.history: list[RunRecord] = []
-        self.listeners: list[Callable[[RunRecord], None]] = []
-        self.one_value = False  # whether the last cell's value was one value (SPMD), not a list by rank
-        self.last_cell: RunRecord | None = None
-        self.last_profiled: RunRecord | None = None  # the last --profile cell, for %xla_profile
-        self.shows_profiles = True  # False on one of several hosts: the kernel shows every host's (hosts/profiles.py)
+        self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
 
     # -- the launcher ------------------------------------------------------
 
@@ -97,7 +92,8 @@ class Runner:
     def one_shot(self, cell: Cell, world: protocol.World | None = None) -> Any:
         """``cell`` in ranks spawned for it alone (one host's part of ``world``, if given), then ended."""
         placement = plan(cell.backend, cell.devices, "%%xla_spawn", cell.spmd)
-        ranks = Ranks(placement, policy.ONE_SHOT, requested_backend=cell.backend, workdir=self.workdir, world=world)
+        ranks = Ranks(placement, policy.ONE_SHOT, requested_backend=cell.backend, workdir=self.workdir, world=world,
+                      cache=compile_cache.resolve(cell.compile_cache))
         try:
             return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
@@ -105,7 +101,7 @@ class Runner:
 
     def cell(self, ranks: Ranks, cell: Cell, report: str = "auto", hang_after: float | None = None) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
-        run_id = self.next_run_id()
+        run_id = self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
         filename = f"<xla_spawn cell {run_id}>"
@@ -126,28 +122,30 @@ class Runner:
             record = self.record(run_id, cell.source, ranks)
             record.xla_report = report
             record.profile = profiled.get("profile", "")
-            self.last_cell = record  # %xla_report shows what XLA did in it
+            self.history.last_cell = record  # %xla_report shows what XLA did in it
             if cell.profile:
-                self.last_profiled = record  # %xla_profile shows it again
+                self.history.last_profiled = record  # %xla_profile shows it again
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
-                              has_result=has_result, timeout=cell.timeout, on_update=self.notify,
+                              has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
                               live_lines=cell.live_lines, hang_after=hang_after)
             if launching:
                 self.launch(ranks, record, first=frame)
             else:
-                self.remember(record)
+                self.history.remember(record)
             request.start()
-            self.one_value = ranks.one_value
-            # --profile: each rank process's trace is read as soon as the rank says where it is (profile_view.Reader)
-            reader = profile_view.Reader() if cell.profile and self.shows_profiles else None
+            # --profile: each rank process's trace is read as soon as the rank says where it is (profile_view.Reader).
+            # One host's part of a world across hosts draws nothing: the kernel draws every host's (hosts/profiles.py).
+            reader = profile_view.Reader() if cell.profile and ranks.world is None else None
             if reader is not None:
-                self.listeners.append(reader.notice)
+                self.history.listeners.append(reader.notice)
             try:
                 return ranks.value(request.wait())
             finally:
+                if launching:
+                    self.tell_cache(ranks)
                 xla_report.after_cell(record)
                 if reader is not None:
-                    self.listeners.remove(reader.notice)
+                    self.history.listeners.remove(reader.notice)
                     profile_view.after_cell(record, reader)
                 delivered = request.delivered
                 if delivered:
@@ -160,12 +158,12 @@ class Runner:
     def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
         """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
         launcher = self.ready_launcher()
-        self.remember(record)
+        self.history.remember(record)
         try:
             ranks.launch(launcher, record.run_id, first)
         except BaseException as exc:
             record.outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            self.notify(record)
+            self.history.notify(record)
             given_up = not launcher.alive()  # stopped while the job was in flight
             if given_up and self.launcher is launcher:
                 self.drop_launcher()
@@ -182,11 +180,17 @@ class Runner:
                  **fields: Any) -> list[Any] | None:
         """A push or pull to ``ranks``, followed to the end: the results by rank (None for a push)."""
         seq = ranks.next_seq()
-        record = self.record(self.next_run_id(), label, ranks)
+        record = self.record(self.history.next_run_id(), label, ranks)
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
-                          has_result=has_result, targets=targets, on_update=self.notify)
+                          has_result=has_result, targets=targets, on_update=self.history.notify)
         request.start()
         return request.wait()
+
+    def tell_cache(self, ranks: Ranks) -> None:
+        """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""
+        line = compile_cache.problem_line(ranks.cache_facts, self.cache_told)
+        if line:
+            xla_report.say(line)
 
     @staticmethod
     def guard_kernel(ranks: Ranks) -> None:
@@ -201,22 +205,8 @@ class Runner:
 
     @staticmethod
     def record(run_id: int, cell: str, ranks: Ranks) -> RunRecord:
-        return RunRecord(run_id, cell, ranks.backend, ranks.devices, mesh=ranks.placement.describe_mesh())
-
-    def next_run_id(self) -> int:
-        self.run_count += 1
-        return self.run_count
-
-    def remember(self, record: RunRecord) -> None:
-        """Keep the record in the recent runs (the status panel's history)."""
-        self.history = (self.history + [record])[-self.HISTORY :]
-
-    def notify(self, record: RunRecord) -> None:
-        for listener in list(self.listeners):
-            try:
-                listener(record)
-            except Exception:  # a broken display must never break a run
-                pass
+        return RunRecord(run_id, cell, ranks.backend, ranks.devices, mesh=ranks.placement.describe_mesh(),
+                         one_value=ranks.one_value)
 
     def close(self) -> None:
         """Stop the launcher and remove the private directory."""

@@ -1,34 +1,62 @@
 """The per-kernel session: what the extension started in one kernel. Runs in the kernel.
 
-A :class:`~xla_magic.runner.Runner` (the launcher, the private directory,
-the recent requests) that also holds at most one pool. A cell goes to the
-pool while one runs (unless ``--fresh``), else to ranks spawned for it
-alone. The session never asks which kind of pool it holds
+It holds three things, each the one owner of its part: the history (the
+recent runs and who hears of them: history.py), this host's runner (the
+launcher and the private directory: runner.py) and at most one pool. A
+cell goes to the pool while one runs (unless ``--fresh``), else to ranks
+spawned for it alone. The session never asks which kind of pool it holds
 (:class:`~xla_magic.pool.Pool`: on this host, or across hosts); only
-``%xla_pool start`` chooses, from its options.
+``%xla_pool start`` chooses, from its options, in :meth:`Session.start_pool`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
 from xla_magic import sharding, watch
+from xla_magic.compile_cache import CacheSetting
+from xla_magic.history import History
 from xla_magic.hosts.pool import HostsPool
 from xla_magic.local_pool import LocalPool
 from xla_magic.pool import Cell, Pool, PoolOptions
+from xla_magic.record import RunRecord
 from xla_magic.runner import Runner, plan, refuse_if_kernel_holds_devices
 
 __all__ = ["Session", "plan", "refuse_if_kernel_holds_devices"]
 
 
-class Session(Runner):
+class Session:
     """Everything the extension started in one kernel."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self.runs = History()
+        self.host = Runner(self.runs)
         self.pool: Pool | None = None  # while a pool runs (or is broken)
+
+    # -- what the panel and the magics read back -----------------------------
+
+    @property
+    def history(self) -> list[RunRecord]:
+        return self.runs.records
+
+    @property
+    def listeners(self) -> list[Callable[[RunRecord], None]]:
+        return self.runs.listeners
+
+    @property
+    def last_cell(self) -> RunRecord | None:
+        return self.runs.last_cell
+
+    @property
+    def last_profiled(self) -> RunRecord | None:
+        return self.runs.last_profiled
+
+    @property
+    def one_value(self) -> bool:
+        """Whether the last run's value was one value (SPMD), not a list by rank."""
+        return bool(self.runs.records) and self.runs.records[-1].one_value
 
     # -- cells -------------------------------------------------------------
 
@@ -46,20 +74,16 @@ class Session(Runner):
         xla_report: str | None = None,
         profile: bool = False,
         hang_after: float | None = None,
+        compile_cache: CacheSetting | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (``fresh``: in new ranks where it runs), else in new ranks.
 
         Its value: the list by rank, or (SPMD) the one value.
         """
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
-                       profile=profile, hang_after=hang_after)
+                       profile=profile, hang_after=hang_after, compile_cache=compile_cache)
         pool = self.current_pool()
-        if pool is None:
-            return self.one_shot(request)
-        value = pool.run_cell(request)
-        if not fresh:
-            self.one_value = pool.one_value
-        return value
+        return self.host.one_shot(request) if pool is None else pool.run_cell(request)
 
     # -- the pool ------------------------------------------------------------
 
@@ -77,7 +101,7 @@ class Session(Runner):
             running.check_start(options)
             print(f"the pool is already running: {running.describe()}")
             return running
-        pool: Pool = kind.start(self, options)
+        pool: Pool = kind.start(self.host, options)
         self.pool = pool
         print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
         return pool
@@ -115,11 +139,9 @@ class Session(Runner):
         return self._usable_pool().pull(name, rank)
 
     def stacks(self, rank: int | None, everything: bool) -> list[str]:
-        """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's on this host now.
-
-        A pool across hosts has no ranks here to ask (its engines answer one call at a time): there only
-        the last cell's stacks show."""
-        return watch.report(self.history, getattr(self.current_pool(), "ranks", None), rank, everything)
+        """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's ranks now, on
+        this host or across hosts."""
+        return watch.report(self.history, self.current_pool(), rank, everything)
 
     def describe_pool(self) -> str:
         pool = self.current_pool()
@@ -141,4 +163,4 @@ class Session(Runner):
             if pool is not None:
                 pool.stop()
         finally:
-            super().close()
+            self.host.close()

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 import cloudpickle
 
-from xla_magic import payload, transport
+from xla_magic import payload
+from xla_magic.wire import transport
 
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 

@@ -15,14 +15,30 @@ that holds the GIL, and read from outside with py-spy where installed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from xla_magic import stacks
 from xla_magic.ranks import process_stopped
+from xla_magic.record import RunRecord
 from xla_magic.troubleshooting import see
 
-if TYPE_CHECKING:
-    from xla_magic.request import Request
+
+class Followed(Protocol):
+    """What the watchdog reads of the run it follows, and the two things it does to it (request.py's Request)."""
+
+    record: RunRecord
+    ranks: Any  # the set's naming, pids and ask_where (ranks.py)
+    targets: list[int]
+    done: set[int]
+    failures: dict[int, Any]
+    output: Any  # its lines so far (.lines)
+    sent: bool
+    stop_reason: str | None
+
+    def unsettled(self, ranks: list[int] | None = None) -> list[int]: ...
+    def pump(self, timeout: float) -> None: ...
+    def rank_state(self, rank: int, value: str) -> None: ...
+    def tag_of(self, ranks: list[int]) -> str: ...
 
 # The default hang delay. A collective takes milliseconds once every rank is
 # in it; ranks drift apart for longer only when one compiles or evaluates
@@ -34,13 +50,43 @@ WHEN = {"interrupt": "when interrupted", "timeout": "when --timeout stopped it",
         "failure": "when the failure stopped the others"}
 
 
+class HangLine:
+    """The watchdog's one line under the running cell: a display updated in place in a notebook, printed once in a
+    terminal. One a run, whoever judges (a request's Watch, or the kernel for every host's ranks)."""
+
+    def __init__(self, notebook: bool) -> None:
+        self.notebook = notebook
+        self._handle: Any = None
+        self._shown: str | None = None
+
+    def show(self, line: str) -> None:
+        if line == self._shown:
+            return
+        if self.notebook:
+            from IPython.display import display
+
+            shown = {"text/plain": line}
+            if self._handle is None:
+                self._handle = display(shown, raw=True, display_id=True)
+            else:
+                self._handle.update(shown, raw=True)
+        elif self._shown is None:
+            print(line, flush=True)
+        self._shown = line
+
+
+def confirm_after(hang_after: float) -> float:
+    """How often the watchdog looks while nothing moves, which is also how long a wait must be seen to count."""
+    return min(max(hang_after / 4, 0.5), 5.0)
+
+
 class Watch:
     """One request's watchdog and its reading of where the ranks are."""
 
-    def __init__(self, request: Request, hang_after: float | None, notebook: bool) -> None:
+    def __init__(self, request: Followed, hang_after: float | None, notebook: bool) -> None:
         self.request = request
         self.hang_after = HANG_AFTER if hang_after is None else hang_after
-        self.every = min(max(self.hang_after / 4, 0.5), 5.0)  # how often to look while nothing moves
+        self.every = confirm_after(self.hang_after)  # how often to look while nothing moves
         self.notebook = notebook
         self.stopped_pids: set[int] = set()  # rank processes seen stopped (SIGSTOP)
         self._probe = 0
@@ -49,8 +95,8 @@ class Watch:
         self._quiet_since = time.monotonic()
         self._looked = 0.0
         self._at: dict[int, tuple[tuple, float]] = {}  # rank -> (its point, since when it is there)
-        self._handle: Any = None
-        self._shown: str | None = None
+        # A host of several says nothing itself: the kernel judges every host's ranks together (hosts/request.py).
+        self.line = HangLine(notebook) if not getattr(request.ranks, "world", None) else None
         self._capturing = False
 
     # -- answers -----------------------------------------------------------
@@ -71,6 +117,7 @@ class Watch:
         before = self._at.get(rank)
         if before is None or before[0] != spot:
             self._at[rank] = (spot, self._quiet_since if before is None else time.monotonic())
+        record.arrived[rank] = self._at[rank][1]
         if complete and not self._capturing:
             self._judge(time.monotonic())
 
@@ -135,23 +182,8 @@ class Watch:
         if line is not None:
             request.record.hang = line
             request.record.stacks_when = "at the watchdog's warning"
-            self._show(line)
-
-    def _show(self, line: str) -> None:
-        """One line under the running cell: a display updated in place in a notebook, printed once in a terminal."""
-        if line == self._shown:
-            return
-        if self.notebook:
-            from IPython.display import display
-
-            shown = {"text/plain": line}
-            if self._handle is None:
-                self._handle = display(shown, raw=True, display_id=True)
-            else:
-                self._handle.update(shown, raw=True)
-        elif self._shown is None:
-            print(line, flush=True)
-        self._shown = line
+            if self.line is not None:
+                self.line.show(line)
 
     # -- at the stop -----------------------------------------------------------
 
@@ -261,7 +293,7 @@ def report(history: list[Any], pool: Any, rank: int | None, everything: bool) ->
     from IPython.core.error import UsageError
 
     last = next((record for record in reversed(history) if record.stacks), None)
-    size = pool.size if pool is not None else len(last.ranks) if last is not None else 0
+    size = pool.world_size if pool is not None else len(last.ranks) if last is not None else 0
     if rank is not None and not 0 <= rank < max(size, 1):
         raise UsageError(f"--rank must be between 0 and {max(size, 1) - 1}")
     if last is None and pool is None:
@@ -275,9 +307,10 @@ def report(history: list[Any], pool: Any, rank: int | None, everything: bool) ->
         lines.append(f"Where each rank was {last.stacks_when} (cell {last.run_id}, {first[:60]!r}):")
         if last.hang:
             lines.append(last.hang)
-        lines.extend(stacks.render(last.stacks, only, everything, one_value=one_value))
+        lines.extend(stacks.render(last.stacks, only, everything, one_value=one_value,
+                                   label=pool.label if pool is not None else None))
     if pool is not None and pool.state in ("ready", "running"):
         lines.append("Where the pool's ranks are now:")
-        lines.extend(stacks.render(where_now(pool, everything), only, everything, one_value=one_value,
+        lines.extend(stacks.render(pool.where_now(everything), only, everything, one_value=one_value,
                                    label=pool.label))
     return lines

@@ -24,7 +24,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from xla_magic import probe, xla_report
+from IPython.core.error import UsageError
+
+from xla_magic import compile_cache, probe, xla_report
 from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
 from xla_magic.pool import Pool
@@ -85,8 +87,9 @@ class Snapshot:
 def snapshot(session: Session) -> Snapshot:
     """Everything the panel shows, read now."""
     return Snapshot(
-        facts=[devices_fact(), versions_fact(session.launcher), kernel_fact(),
-               launcher_fact(session.launcher)] + pool_facts(session.current_pool()) + spmd_fact(session),
+        facts=[devices_fact(), versions_fact(session.host.launcher), kernel_fact(),
+               launcher_fact(session.host.launcher)] + pool_facts(session.current_pool()) + spmd_fact(session)
+              + [cache_fact(session)],
         run=session.history[-1] if session.history else None,
         history=list(reversed(session.history[-HISTORY_SHOWN:])),
     )
@@ -169,6 +172,17 @@ def pool_facts(pool: Pool | None) -> list[Fact]:
     if pool is None:
         return [Fact("Pool", "none (%xla_pool start keeps ranks alive between cells)")]
     return [Fact(label, text) for label, text in pool.facts()]
+
+
+def cache_fact(session: Session) -> Fact:
+    """torch_xla's persistent compilation cache: the pool's, or what new ranks would get; its size, how to clear it."""
+    ranks = getattr(session.current_pool(), "ranks", None)  # a pool on this host; across hosts each host has its own
+    try:
+        if ranks is not None:
+            return Fact("Cache", compile_cache.fact(ranks.cache, ranks.placement.on_cpu, ranks.cache_facts))
+        return Fact("Cache", compile_cache.fact(compile_cache.resolve(None), probe.place("auto", None).on_cpu, None))
+    except (UsageError, probe.PlacementError) as exc:
+        return Fact("Cache", str(exc), alarm=True)
 
 
 SPMD_MEMORY_NOTE = "memory per device: torch_xla reports none for an SPMD process (it sees one virtual device)"

@@ -39,7 +39,8 @@ class Group:
 # What a rank that finished its cell without sending an account did on XLA: nothing (xla_account.py).
 IDLE: dict[str, Any] = {
     "ranks": [], "cell": None, "analysis": "ours", "compiles": 0, "compile_seconds": 0.0, "cached": 0,
-    "executions": 0, "execute_seconds": 0.0, "transfers": 0, "scalar_reads": 0, "fallbacks": {},
+    "loaded": 0, "load_seconds": 0.0, "load_failures": 0, "cannot_load": False, "executions": 0,
+    "execute_seconds": 0.0, "transfers": 0, "scalar_reads": 0, "fallbacks": {},
     "compilations": [], "sync_lines": [],
 }
 
@@ -78,7 +79,8 @@ def _story(account: dict[str, Any]) -> tuple[Any, ...]:
     """What makes two ranks' accounts the same for the report: what compiled where, and the counts."""
     return (
         tuple((c["line"], c["hash"]) for c in account["compilations"]),
-        account["compiles"], account["cached"], account["transfers"], tuple(sorted(account["fallbacks"].items())),
+        account["compiles"], account["cached"], account.get("loaded", 0), account["transfers"],
+        tuple(sorted(account["fallbacks"].items())),
     )
 
 
@@ -102,12 +104,26 @@ def summary(record: RunRecord) -> str | None:
     differ = _ranks_differ(found, record)
     if differ:
         findings.append(differ)
+    findings += _cache_loads(account)
     if not findings:
         return None
     head = ""
     if account["compiles"] > 1 and any("compiled" in finding for finding in findings[:1]):
         head = f"{account['compiles']} compilations ({_seconds(account['compile_seconds'])}) — "
     return "XLA: " + head + "; ".join(findings)
+
+
+def _cache_loads(account: dict[str, Any]) -> list[str]:
+    """Graphs loaded from the persistent compilation cache instead of compiled; those it could not load
+    (not on XLA:CPU, which never can: the simulation only exercises the TPU's path)."""
+    findings = []
+    if account.get("loaded"):
+        findings.append(f"{_graphs(account['loaded'])} loaded from the compile cache "
+                        f"({_seconds(account['load_seconds'])}) instead of compiled")
+    if account.get("load_failures") and not account.get("cannot_load"):
+        findings.append(f"{_graphs(account['load_failures'])} in the compile cache could not be loaded and "
+                        f"compiled again (written by another torch_xla or libtpu?)")
+    return findings
 
 
 def _where(account: dict[str, Any], compilation: dict[str, Any]) -> str:
@@ -305,7 +321,8 @@ def _bytes(count: int) -> str:
 
 # --- the full report ------------------------------------------------------------------------
 
-COLUMNS = ("ranks", "compiled", "compile time", "cached", "executed", "execute time", "device→host", "CPU fallbacks")
+COLUMNS = ("ranks", "compiled", "compile time", "cached", "loaded", "load time", "executed", "execute time",
+           "device→host", "CPU fallbacks")
 
 
 def rows(record: RunRecord) -> list[list[str]]:
@@ -317,9 +334,16 @@ def rows(record: RunRecord) -> list[list[str]]:
         table.append([
             _ranks(group.ranks) + (" (one process)" if group.shared else ""),
             str(account["compiles"]), _seconds(account["compile_seconds"]), str(account["cached"]),
-            str(account["executions"]), _seconds(account["execute_seconds"]), str(account["transfers"]), fallbacks,
+            _loaded(account), _seconds(account.get("load_seconds", 0.0)), str(account["executions"]),
+            _seconds(account["execute_seconds"]), str(account["transfers"]), fallbacks,
         ])
     return table
+
+
+def _loaded(account: dict[str, Any]) -> str:
+    """Graphs loaded from the persistent compilation cache, and those it held but could not load."""
+    text = str(account.get("loaded", 0))
+    return text + (f" ({account['load_failures']} not loadable)" if account.get("load_failures") else "")
 
 
 def compilation_rows(record: RunRecord) -> list[list[str]]:
@@ -460,6 +484,9 @@ def _notes(record: RunRecord) -> list[str]:
     if any(group.account.get("analysis") == "user" for group in found):
         notes.append("causes: not known, because PT_XLA_DEBUG_LEVEL / PT_XLA_DEBUG_FILE are set by you "
                      "(torch_xla's own output goes where you asked)")
+    if any(group.account.get("cannot_load") for group in found):
+        notes.append("loaded: XLA:CPU cannot load what the compile cache holds, so each graph it held compiled "
+                     "again; the cache was forced on here, which exercises the TPU's path, not its speed-up")
     if any(group.shared for group in found):
         notes.append("rank threads of one process share torch_xla's counters: their row counts them together")
     return notes
@@ -526,6 +553,8 @@ def rank_facts(state: Any) -> str:
     if account is None:
         return "idle" if state.state == "done" else ""
     parts = [f"{account['compiles']} compiled ({_seconds(account['compile_seconds'])})"]
+    if account.get("loaded"):
+        parts.append(f"{account['loaded']} loaded ({_seconds(account['load_seconds'])})")
     if account["transfers"]:
         parts.append(f"{account['transfers']} syncs")
     fallbacks = sum(account["fallbacks"].values())

@@ -1,4 +1,4 @@
-"""Several hosts: a multi-host slice driven as one world through ipyparallel engines.
+"""Several hosts: a multi-host slice driven as one world through ipyparallel engines. Runs in the kernel and in each host's engine.
 
 Kernel side: ``hosts.pool`` (the cluster, its engines and the requests that
 cross them), ``hosts.discovery`` (which hosts). Engine side: ``hosts.engine``

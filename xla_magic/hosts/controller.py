@@ -1,4 +1,4 @@
-"""The kernel's ipyparallel controller: ``python -m xla_magic.hosts.controller --parent-pid P [ipcontroller args]``.
+"""The kernel's ipyparallel controller: ``python -m xla_magic.hosts.controller --parent-pid P [ipcontroller args]``. Runs in the kernel's controller process.
 
 Runs on the kernel's host, as a child of kernel P. ipyparallel's own
 controller, which ends as soon as the kernel does, however it ends

@@ -1,4 +1,4 @@
-"""One host's ipyparallel engine: ``python -m xla_magic.hosts.engine --host-index I [ipengine args]``.
+"""One host's ipyparallel engine: ``python -m xla_magic.hosts.engine --host-index I [ipengine args]``. Runs in a host's engine.
 
 Runs on each host, started by the kernel's launch command (ssh, ``ip netns
 exec``, ``kubectl exec``...). The controller's connection info (which holds
@@ -127,7 +127,7 @@ def _end_host(profile: str) -> None:
 
         on_host.stop()  # its processes are dead already: it removes the session's directory and shared memory
     finally:
-        from xla_magic.launcher.xla_analysis import remove_analysis_of  # XLA-free, as the engine must stay
+        from xla_magic.wire.files import remove_analysis_of
 
         remove_analysis_of(killed)
         shutil.rmtree(profile, ignore_errors=True)

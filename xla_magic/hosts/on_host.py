@@ -20,16 +20,23 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
-from xla_magic import protocol
-from xla_magic.hosts import profiles
+from xla_magic import watch
 from xla_magic.display import RankError, RunInterrupted
+from xla_magic.history import History
+from xla_magic.hosts import profiles
 from xla_magic.local_pool import LocalPool
 from xla_magic.pool import Cell, PoolOptions
+from xla_magic.record import RunRecord
 from xla_magic.runner import Runner, plan
+from xla_magic.wire import protocol
+
+
+NEWS = "xla_magic"  # the key of a host's live news in its call's ipyparallel data
 
 
 class HostFailure(TypedDict):
@@ -60,11 +67,41 @@ class Here:
 
     def __init__(self, world: protocol.World) -> None:
         self.world = world
-        self.runner = Runner()
-        self.runner.shows_profiles = False  # the kernel draws every host's (hosts/profiles.py)
+        self.runs = History()
+        self.runs.listeners.append(self._tell_kernel)
+        self.runner = Runner(self.runs)
         self.pool: LocalPool | None = None
         self.values: dict[str, Any] = {}
         self.received: tuple[str, ...] = ()  # the names the last cell brought (the others were here already)
+        self._told: Any = None  # the last news sent, so that nothing goes twice
+
+    def _tell_kernel(self, record: RunRecord) -> None:
+        """The running cell's news, live, for the kernel's one view of every host's ranks (hosts/request.py):
+        each rank's state and place, where its sampler last said it was and for how long, by local rank.
+
+        Sent as ipyparallel data (``publish_data``) on the engine's IOPub while the call runs: the engine
+        answers nothing else until the call ends. Never raises: it is a listener."""
+        try:
+            news = {"run": record.run_id, "ranks": {rank: (state.state, state.where)
+                                                    for rank, state in record.ranks.items()},
+                    "stacks": dict(record.stacks), "since": dict(record.arrived)}
+            if news == self._told:
+                return
+            self._told = news
+            now = time.monotonic()
+            waited = {rank: now - since for rank, since in record.arrived.items()}
+            from ipyparallel.datapub import publish_data
+
+            publish_data({NEWS: dict(news, waited=waited)})
+        except Exception:  # noqa: BLE001 - not in an engine, or the news cannot travel: the kernel waits for the end
+            pass
+
+    def renew(self, world: protocol.World) -> None:
+        """This host's part of a new world: its pool's ranks end; its launcher and values stay."""
+        pool, self.pool = self.pool, None
+        self.world = world
+        if pool is not None:
+            pool.stop()
 
     def close(self) -> None:
         try:
@@ -101,11 +138,17 @@ def ranks_here(devices: int | None, backend: str) -> HostOutcome:
 
 
 def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
-    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank."""
+    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank.
+
+    Again on a host that has a pool (the kernel's ``%xla_pool restart``): its ranks end and new ones start,
+    with the same launcher and the kernel's values this host holds."""
     global _here
-    stop()
-    here = _here = Here(world)
-    atexit.register(stop)
+    here = _here
+    if here is None:
+        here = _here = Here(world)
+        atexit.register(stop)
+    else:
+        here.renew(world)
 
     def start_pool() -> dict[int, int]:
         here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend), world)
@@ -115,34 +158,35 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
 
 
 def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-             kernel_place: dict[str, Any], profile: bool = False) -> HostOutcome:
+             kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None) -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
     The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
     changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer."""
     here = _require()
     values = _take(here, sent, names)
-    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile)
+    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after)
     return _profiled(here, cell, lambda: _pool(here).run_cell(cell))
 
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-              kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False) -> HostOutcome:
+              kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False,
+              hang_after: float | None = None) -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
-                place=kernel_place, profile=profile)
+                place=kernel_place, profile=profile, hang_after=hang_after)
     return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
 
 
 def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
     """``call``'s outcome; a --profile cell's with this host's trace files (``profile``), however it ended."""
-    before = here.runner.last_profiled
+    before = here.runs.last_profiled
     outcome = _outcome(call)
     if cell.profile:
-        record = here.runner.last_profiled
+        record = here.runs.last_profiled
         outcome["profile"] = profiles.collect(record if record is not before else None)
     return outcome
 
@@ -176,6 +220,16 @@ def push(names: bytes) -> HostOutcome:
 
 def pull(name: str) -> HostOutcome:
     return _outcome(lambda: _pool(_require()).pull(name, None))
+
+
+def where_now(everything: bool) -> dict[int, dict[str, Any]]:
+    """Where this host's pool ranks are now, by local rank, threads a cell left running included (``%xla_stacks``
+    between cells: the engine is free then); empty when its pool does not run."""
+    here = _here
+    pool = here.pool if here is not None else None
+    if pool is None or pool.state != "ready":
+        return {}
+    return watch.where_now(pool.ranks, everything)
 
 
 def status() -> dict[str, Any]:
@@ -234,7 +288,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _running_record() -> Any:
-    history = _here.runner.history if _here is not None else []
+    history = _here.runs.records if _here is not None else []
     return history[-1] if history and history[-1].outcome == "running" else None
 
 
@@ -267,7 +321,7 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
 
 def _where() -> HostOutcome:
     """Where this host's ranks were when its last cell was stopped, raw: the kernel groups every host's."""
-    history = _here.runner.history if _here is not None else []
+    history = _here.runs.records if _here is not None else []
     record = history[-1] if history else None
     if record is None or not record.stacks:
         return {}

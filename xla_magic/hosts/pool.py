@@ -20,10 +20,12 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, profile_view, protocol
+from xla_magic import payload, place, profile_view
+from xla_magic.wire import protocol
 from xla_magic.hosts import discovery, on_host, profiles
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
-from xla_magic.hosts.request import HostsRequest, label
+from xla_magic.hosts.naming import RESTART, label
+from xla_magic.hosts.request import HostsRequest
 from xla_magic.hosts.shipping import HostShipping
 from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
 from xla_magic.record import RankState, RunRecord
@@ -33,7 +35,7 @@ ENGINES_TIMEOUT = 120.0  # for every engine to register
 START_TIMEOUT = 600.0  # for every host's launcher and ranks to be ready
 HEARTBEAT_MS = 1000  # the controller's heartbeat period; an engine ends after MISSES silent periods
 MISSES = 10
-RESTART = "%xla_pool restart (or %xla_pool stop, then %xla_pool start --hosts ...) starts it anew"
+WHERE_TIMEOUT = 30.0  # for a host to say where its ranks are now (each waits a second for its samplers)
 
 
 class HostsPool:
@@ -67,6 +69,8 @@ class HostsPool:
         self.shipping = HostShipping(len(hosts))  # what each host's engine holds of the kernel's values
         self.address = ""
         self.cells = 0
+        self.hang_after: float | None = None  # --hang-after, for the pool's cells that give none (watch.py)
+        self.live_lines = False  # the watchdog's line updated in place: the kernel is a notebook's
         self.started = time.time()
         self.start_seconds: float | None = None
         # The kernel's environment as the pool started: its changes since then travel to every host's ranks.
@@ -92,15 +96,19 @@ class HostsPool:
                              "hosts with --backend tpu")
         if options.spmd is not None:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
+        if options.compile_cache is not None:
+            raise UsageError("--compile-cache is per host: across hosts each host's ranks use its default, or "
+                             "XLA_MAGIC_COMPILE_CACHE in the environment its engine starts with; leave it out")
         if importlib.util.find_spec("ipyparallel") is None:
             raise UsageError("a pool across hosts runs on ipyparallel, which is not installed in this kernel: "
-                             "pip install 'xla_magic[hosts]' here and on every host, then start it again")
+                             "pip install 'ipyparallel>=8.6' (the hosts extra) here and on every host, then start it again")
 
     @classmethod
     def start(cls, runner: Runner, options: PoolOptions) -> HostsPool:
         """``%xla_pool start --hosts``: one engine per host, each running its host's launcher and ranks."""
         cls.check_options(options)
         pool = cls(runner, list(options.hosts or ()), options.devices, options.backend or "auto", options.template)
+        pool.hang_after, pool.live_lines = options.hang_after, options.live_lines
         pool.start_all()
         return pool
 
@@ -110,11 +118,30 @@ class HostsPool:
         raise UsageError("a pool across hosts is running: %xla_pool stop it first, then start one on this host")
 
     def restart(self, options: PoolOptions) -> HostsPool:
-        """The same hosts and launch template; devices and backend as before unless given."""
-        self.stop()
-        return HostsPool.start(self.runner, options.but(
-            hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
-            backend=options.backend or self.backend))
+        """Fresh ranks on the same hosts: devices and backend as before unless given.
+
+        A pool that is not broken keeps its cluster: each engine keeps its launcher (torch_xla imported
+        once) and the kernel's values it holds, and only the ranks start anew. A broken one may have lost an
+        engine or the controller, so everything starts anew, as at ``%xla_pool start``."""
+        if self.state != "ready":
+            self.stop()
+            return HostsPool.start(self.runner, options.but(
+                hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
+                backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after))
+        self.check_options(options)
+        self.requested_devices = options.devices or self.devices
+        self.backend = options.backend or self.backend
+        self.hang_after = options.hang_after or self.hang_after
+        self.state, self.problem, self.cells, self.started = "starting", None, 0, time.time()
+        began = time.monotonic()
+        try:
+            self._start_ranks()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began
+        self.state = "ready"
+        return self
 
     def start_all(self) -> None:
         """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
@@ -245,6 +272,23 @@ class HostsPool:
 
     # -- requests ---------------------------------------------------------------
 
+    def label(self, rank: int) -> str:
+        return label(self.devices)(rank)
+
+    def where_now(self, everything: bool = False) -> dict[int, dict[str, Any]]:
+        """Where every host's ranks are now, by global rank (``%xla_stacks`` between cells: every engine is free)."""
+        calls = self._call_hosts(on_host.where_now, [(everything,)] * len(self.hosts))
+        found: dict[int, dict[str, Any]] = {}
+        for index, call in enumerate(calls):
+            try:
+                answers = call.get(WHERE_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - a lost engine: say so for its ranks, show the others
+                answers = {local: {"unanswered": f"host h{index} did not answer ({type(exc).__name__})"}
+                           for local in range(self.devices)}
+            for local, answer in answers.items():
+                found[index * self.devices + local] = answer
+        return found
+
     def check_usable(self) -> None:
         if self.state == "broken":
             raise UsageError(f"the pool across hosts is broken ({self.problem}); nothing ran. {RESTART}.")
@@ -267,20 +311,22 @@ class HostsPool:
         sending = self.shipping.prepare(user_values(cell))  # checked here, run by each host's pool
         # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
         here = place.current(place.environment_changes(self.base_environment))
+        hang_after = cell.hang_after or self.hang_after
         if cell.fresh:
             devices = cell.devices or self.devices
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
-                 cell.profile) for index, world in enumerate(worlds)])
+                 cell.profile, hang_after) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
-                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile)
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after)
                 for index in range(len(self.hosts))])
         record = self._record(cell.source, devices)
-        request = HostsRequest(self, calls, timeout=None, record=record, devices=devices)
+        request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
+                               notebook=cell.live_lines or self.live_lines)
         try:
             values_by_host = self._follow(request)
         finally:
@@ -293,7 +339,7 @@ class HostsPool:
 
     def _show_profile(self, record: RunRecord, request: HostsRequest, devices: int) -> None:
         profiles.store(record, request.outcomes, self.hosts, devices, self.workdir.new(f"profile-{record.run_id}-"))
-        self.runner.last_profiled = record  # %xla_profile shows it again
+        self.runner.history.last_profiled = record  # %xla_profile shows it again
         profile_view.after_cell(record)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
@@ -327,17 +373,19 @@ class HostsPool:
         try:
             return request.wait()
         finally:
+            if request.broken is not None and self.state != "broken":
+                self.mark_broken(request.broken)
             if self.state == "running":
                 self.state = "ready"
 
     def _record(self, label: str, devices: int) -> RunRecord:
         """A run of every global rank in the session's history: the panel shows it, and can interrupt it."""
-        runner = self.runner
-        record = RunRecord(runner.next_run_id(), label, self.backend, devices * len(self.hosts))
+        history = self.runner.history
+        record = RunRecord(history.next_run_id(), label, self.backend, devices * len(self.hosts))
         record.ranks = {rank: RankState(state="running", pid=self.pids.get(rank))
                         for rank in range(devices * len(self.hosts))}
-        runner.remember(record)
-        runner.notify(record)
+        history.remember(record)
+        history.notify(record)
         return record
 
     # -- describing -----------------------------------------------------------------
@@ -429,4 +477,4 @@ def _private(profile: str) -> None:
         os.chmod(os.path.join(security, name), stat.S_IRUSR | stat.S_IWUSR)
 
 
-__all__ = ["HostsPool", "label", "RESTART"]
+__all__ = ["HostsPool"]

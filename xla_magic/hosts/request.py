@@ -15,17 +15,16 @@ import re
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from IPython.core.error import UsageError
 
 from xla_magic import stacks
 from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
-from xla_magic.hosts.on_host import HostOutcome
+from xla_magic.hosts.naming import RESTART, label
+from xla_magic.hosts.on_host import NEWS, HostOutcome
 from xla_magic.record import RunRecord
-
-if TYPE_CHECKING:
-    from xla_magic.hosts.pool import HostsPool
+from xla_magic.watch import HANG_AFTER, HangLine, confirm_after
 
 OUTPUT_PATIENCE = 10.0  # for a host's output to catch up with its reply (ipyparallel sends them apart)
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
@@ -33,21 +32,17 @@ STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answ
 TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
 
 
-def label(devices: int) -> Any:
-    """The tag of a global rank: ``hH rN``."""
-    return lambda rank: f"h{rank // devices} r{rank}"
-
-
 class HostsRequest:
-    """``calls``: one ipyparallel AsyncResult per host, in host order.
+    """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (hosts/pool.py's HostsPool).
 
     With a ``record`` (a run in the session's history), the request keeps its
     ranks' states and lines as the hosts' output and outcomes come in, and
     stops every host when the record asks (the status panel's Interrupt).
     """
 
-    def __init__(self, pool: HostsPool, calls: list[Any], timeout: float | None = None, echo: bool = True,
-                 record: RunRecord | None = None, devices: int | None = None) -> None:
+    def __init__(self, pool: Any, calls: list[Any], timeout: float | None = None, echo: bool = True,
+                 record: RunRecord | None = None, devices: int | None = None, hang_after: float | None = None,
+                 notebook: bool = False) -> None:
         self.pool = pool
         self.calls = calls
         self.timeout = timeout
@@ -57,11 +52,18 @@ class HostsRequest:
         self.outcomes: dict[int, HostOutcome] = {}
         self.shown: dict[tuple[int, str], int] = {}
         self.stopping: str | None = None  # why the other hosts were told to stop: failure, interrupt, timeout
+        self.broken: str | None = None  # what broke the pool during the request, for the pool to take on
+        self.history = pool.runner.history  # the session's: the record's listeners (the panel)
         self.stopped_at: float | None = None
         tags = label(self.devices)
         self.output = TaggedOutput(label=tags, log_dir=lambda: pool.workdir.new("logs-hosts-"),
                                    log_stem=lambda rank: tags(rank).replace(" ", ""), on_line=self._on_line)
         self._lines_counted = 0
+        # The watchdog across hosts: each host's own watch asks its ranks where they are when they stop moving and
+        # sends what they answered (on_host's news); the judgement and its line are made here, over every rank.
+        self.hang_after = HANG_AFTER if hang_after is None else hang_after
+        self.line = HangLine(notebook)
+        self._news: dict[int, tuple[Any, float]] = {}  # host -> (its last news, when it came)
 
     def wait(self) -> list[Any]:
         """Every host's value, in host order, or the error that says what went wrong where."""
@@ -70,6 +72,7 @@ class HostsRequest:
             try:
                 self._collect()
                 self._show()
+                self._follow_news()
                 if self.stopping is None and deadline is not None and time.monotonic() > deadline:
                     self._stop_hosts("timeout")
                 if self.stopping is None and self.record is not None and self.record.interrupt_requested:
@@ -87,6 +90,7 @@ class HostsRequest:
             if self.outcomes[index]["outcome"] != "lost":
                 call.wait_for_output(OUTPUT_PATIENCE)
         self._show(final=True)
+        self._keep_where(self.outcomes)
         for path in self.output.finish():
             print(f"(complete log: {path})")
         try:
@@ -124,7 +128,7 @@ class HostsRequest:
                 state.ended = time.monotonic()
         record.outcome = outcome
         record.duration = time.time() - record.started
-        self.pool.runner.notify(record)
+        self.history.notify(record)
 
     # -- following ----------------------------------------------------------------
 
@@ -136,11 +140,11 @@ class HostsRequest:
                 outcome = call.get()
             except Exception as exc:  # the engine died or could not run the call
                 outcome = {"outcome": "lost", "message": _engine_problem(exc)}
-                self.pool.mark_broken(f"the engine of host h{index} ({self.pool.hosts[index]}) "
+                self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) "
                                       f"{outcome['message']}")
             self.outcomes[index] = outcome
             if outcome.get("broken"):
-                self.pool.mark_broken(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
+                self._broke(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
             if outcome["outcome"] != "ok" and self.stopping is None:
                 self._stop_hosts("failure")
 
@@ -187,7 +191,61 @@ class HostsRequest:
         if state is not None:
             state.lines += batch
             state.last_line = line
-            self.pool.runner.notify(self.record)
+            self.history.notify(self.record)
+
+    def _follow_news(self) -> None:
+        """Every host's live news into the record (each rank's state and place, for the panel), then the watchdog's
+        judgement over every global rank, as one host's watch judges its own."""
+        record = self.record
+        if record is None or self.stopping is not None:
+            return
+        changed = False
+        now = time.monotonic()
+        for index, call in enumerate(self.calls):
+            news = (getattr(call, "data", None) or {}).get(NEWS)
+            if not news or news.get("run") is None or self._news.get(index, (None,))[0] is news:
+                continue
+            self._news[index] = (news, now)
+            changed = True
+            for local, (state, where) in news["ranks"].items():
+                rank_state = record.ranks.get(index * self.devices + local)
+                if rank_state is not None and rank_state.ended is None:
+                    rank_state.state, rank_state.where = state, where
+                    if state in ("done", "failed", "killed"):
+                        rank_state.ended = now
+        if changed:
+            self.history.notify(record)
+            self._judge(now)
+
+    def _judge(self, now: float) -> None:
+        where: dict[int, dict[str, Any]] = {}
+        waited: dict[int, float] = {}
+        for index in range(len(self.calls)):
+            offset = index * self.devices
+            said = self.outcomes.get(index)
+            news, came = self._news.get(index, ({}, now))
+            for local in range(self.devices):
+                state = news.get("ranks", {}).get(local, ("",))[0]
+                if (said is not None and said["outcome"] == "ok") or state == "done":
+                    where[offset + local] = {"phase": "finished"}
+                elif local in news.get("stacks", {}):
+                    where[offset + local] = news["stacks"][local]
+                    waited[offset + local] = news.get("waited", {}).get(local, 0.0) + (now - came)
+        if len(where) < len(self.calls) * self.devices:
+            return  # a rank not heard of yet: it may still move
+        line = stacks.hang(where, waited, self.hang_after, confirm=confirm_after(self.hang_after),
+                           label=label(self.devices))
+        if line is not None:
+            self.record.hang = line
+            self.record.stacks = dict(where)
+            self.record.stacks_when = "at the watchdog's warning"
+            self.line.show(line)
+
+    def _keep_where(self, outcomes: dict[int, HostOutcome]) -> None:
+        """Where every rank was when the cell was stopped, by global rank, for ``%xla_stacks`` to show again."""
+        merged, when = self._merged_stacks([outcomes.get(index, {}) for index in range(len(self.calls))])
+        if merged and self.record is not None:
+            self.record.stacks, self.record.stacks_when = merged, when
 
     def _stop_hosts(self, why: str) -> None:
         """SIGINT to every host still running: each stops its ranks as an interrupted cell does."""
@@ -199,14 +257,14 @@ class HostsRequest:
                 # Blocking: each nanny answers once its signal is sent, so none arrives in a later request.
                 self.pool.client.send_signal(signal.SIGINT, targets=running, block=True)
             except Exception as exc:  # noqa: BLE001 - a lost controller must not hide the failure
-                self.pool.mark_broken(f"could not interrupt the hosts ({type(exc).__name__}: {exc})")
+                self._broke(f"could not interrupt the hosts ({type(exc).__name__}: {exc})")
 
     def _give_up(self) -> None:
         hosts = [f"h{index} ({self.pool.hosts[index]})" for index in range(len(self.calls))
                  if index not in self.outcomes]
         for index in range(len(self.calls)):
             self.outcomes.setdefault(index, {"outcome": "lost", "message": "did not stop when told to"})
-        self.pool.mark_broken(f"host(s) {', '.join(hosts)} did not stop when told to")
+        self._broke(f"host(s) {', '.join(hosts)} did not stop when told to")
 
     # -- the end ----------------------------------------------------------------------
 
@@ -248,14 +306,18 @@ class HostsRequest:
         return RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
                          where=self._where(outcomes))
 
-    def _where(self, outcomes: list[dict[str, Any]]) -> list[str]:
-        """Where every rank on every host was at the stop, grouped across hosts as on one host."""
+    def _merged_stacks(self, outcomes: list[Any]) -> tuple[dict[int, dict[str, Any]], str]:
         merged: dict[int, dict[str, Any]] = {}
         when = ""
         for index, outcome in enumerate(outcomes):
             for rank, answer in (outcome.get("stacks") or {}).items():
                 merged[index * self.devices + rank] = answer
             when = when or outcome.get("stacks_when", "")
+        return merged, when
+
+    def _where(self, outcomes: list[dict[str, Any]]) -> list[str]:
+        """Where every rank on every host was at the stop, grouped across hosts as on one host."""
+        merged, when = self._merged_stacks(outcomes)
         if not merged:
             return []
         return [f"Where each rank was {when}:"] + stacks.render(merged, label=label(self.devices))
@@ -267,11 +329,15 @@ class HostsRequest:
                 results[index * self.devices + rank] = value
         return results
 
-    def _pool_note(self) -> str:
-        from xla_magic.hosts.pool import RESTART
+    def _broke(self, problem: str) -> None:
+        """The pool is broken: the pool itself says so once the request is over (``broken``), its one writer."""
+        if self.broken is None:
+            self.broken = problem
 
-        if self.pool.state == "broken":
-            return f"the pool is broken ({self.pool.problem}): {RESTART}"
+    def _pool_note(self) -> str:
+        problem = self.broken or (self.pool.problem if self.pool.state == "broken" else None)
+        if problem is not None:
+            return f"the pool is broken ({problem}): {RESTART}"
         return "the pool keeps its ranks and their namespaces on every host"
 
 

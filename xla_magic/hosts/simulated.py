@@ -1,4 +1,4 @@
-"""Simulated hosts on one Linux machine, for tests and for users without a slice. Runs as root, anywhere.
+"""Simulated hosts on one Linux machine, for tests and for users without a slice. Runs in the kernel or a test, as root.
 
 Each host is a network namespace on a bridge, with its own address, and a
 holder process (``unshare --uts --mount``) that gives it its own hostname

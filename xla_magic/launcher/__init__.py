@@ -1,4 +1,4 @@
-"""The launcher side: runs outside the kernel only.
+"""The launcher side. Runs in the launcher, its supervisors and the ranks, never in the kernel.
 
 This package may import torch and torch_xla; the kernel side never imports
 it. Of the rest of xla_magic it uses only the modules shared by both sides,

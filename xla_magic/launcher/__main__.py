@@ -1,4 +1,4 @@
-"""The launcher: ``python -m xla_magic.launcher --fd N --parent-pid P``. A zygote process.
+"""The launcher: ``python -m xla_magic.launcher --fd N --parent-pid P``. A zygote process. Runs in the launcher.
 
 Started by kernel P with one end of a private socket pair on fd N. It
 imports torch and torch_xla once (the 5-7 s a cell should not pay again),
@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.launcher import lifetime
 
 MAX_FDS = 253  # SCM_RIGHTS limit on Linux

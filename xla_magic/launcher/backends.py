@@ -18,6 +18,11 @@ until the kernel closes their sockets); see serve.Serving.
 - SPMD (a job with ``spmd``, on either backend): one forked process that
   owns every device, with spmd.environment() applied before the runtime
   starts and spmd.setup() for its names; no xmp.spawn.
+
+Every rank process opens torch_xla's persistent compilation cache in its
+set-up, once its device exists and before anything compiles: a directory
+of its own, named by which of the world's devices it drives
+(compile_cache.py).
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ import socket
 import traceback
 from typing import Any, Callable
 
-from xla_magic import protocol
-from xla_magic.launcher import capture, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
+from xla_magic.wire import protocol
+from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
 from xla_magic.launcher import strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
@@ -51,6 +56,7 @@ def supervise(job: dict[str, Any], fds: list[int], launcher_pid: int) -> None:
     supervisor = protocol.Channel(socket.socket(fileno=fds[0]))
     try:
         _apply_environment(job["environment"])
+        compile_cache.configure(job.get("compile_cache"))  # the ranks open it in their set-up
         os.setsid()
         # Not SIGKILL: as their subreaper, the supervisor first ends what its
         # ranks started (a pool keeps what its cells start), then goes.
@@ -218,6 +224,7 @@ def _cpu_rank(
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
             device = torch_xla.device()
+            compile_cache.start(f"rank-{global_rank}-of-{world_size}")
             # Before the cell: xm/xr across ranks (and hosts).
             simulate.install(global_rank, world_size, store, dict(world, local_size=local_size) if world else None)
             strategy = strategy_module.RankStrategy(global_rank, world_size, device, simulated=True, local_rank=rank)
@@ -279,7 +286,13 @@ def _spmd_process(
         _forked_rank(0, ranks, supervisor, supervisor_pid)
         # Before anything starts the runtime: it reads these once.
         os.environ.update(spmd.environment(layout["devices"], on_cpu=layout["on_cpu"]))
-        ok = serve.serve(0, ranks[0], lambda: spmd.setup(layout["devices"], layout["mesh"], layout["axes"]), serving)
+
+        def setup() -> dict[str, Any]:
+            names = spmd.setup(layout["devices"], layout["mesh"], layout["axes"])
+            compile_cache.start(f"spmd-{layout['devices']}")  # the mesh is in each graph, and so in its key
+            return names
+
+        ok = serve.serve(0, ranks[0], setup, serving)
         code = 0 if ok else 1
     finally:
         lifetime.flush_c_stdio()
@@ -350,6 +363,9 @@ def _tpu_rank(
         device = torch_xla.device()
         world_size = xr.world_size()
         rank = xr.global_ordinal() if world else index
+        # Rank threads share their process's cache: the first to get here opens it for them all.
+        compile_cache.start(f"process-{xr.process_index()}-of-{xr.process_count()}-world-{world_size}"
+                            if xr.addressable_runtime_device_count() > 1 else f"rank-{rank}-of-{world_size}")
         strategy = strategy_module.RankStrategy(
             rank, world_size, device, simulated=False, local_rank=xr.local_ordinal()
         )

@@ -1,4 +1,4 @@
-"""Carry everything a rank writes to its output sockets, losing nothing.
+"""Carry everything a rank writes to its output sockets, losing nothing. Runs in a rank.
 
 Runs in a run's supervisor (the :class:`Relay`) and in its ranks (the
 writers).

@@ -1,4 +1,4 @@
-"""Frameworks in a cell: Lightning, HF Accelerate and the HF Trainer see the ranks they run in. Runs in ranks.
+"""Frameworks in a cell: Lightning, HF Accelerate and the HF Trainer see the ranks they run in. Runs in a rank.
 
 Lightning's XLA accelerator and strategy assume they are in the process that
 will launch the ranks: they count TPU chips on the PCI bus, spawn the ranks
@@ -45,6 +45,8 @@ import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
+
+from xla_magic.launcher import current
 
 _FABRIC_ROOTS = ("lightning.fabric", "lightning_fabric")
 _PYTORCH_ROOTS = ("lightning.pytorch", "pytorch_lightning")
@@ -256,11 +258,9 @@ class _PerThreadRankZeroOnly:
 
     @property
     def rank(self) -> int | None:
-        from xla_magic.launcher import strategy
-
         rank = getattr(self._local, "rank", None)
-        if rank is None and strategy.current() is not None:
-            rank = strategy.current().global_rank
+        if rank is None and current.strategy() is not None:
+            rank = current.strategy().global_rank
         return self._last if rank is None else rank
 
     @rank.setter

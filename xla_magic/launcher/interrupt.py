@@ -1,4 +1,4 @@
-"""SIGINT in a rank stops the rank's cell and nothing else. Runs in rank processes.
+"""SIGINT in a rank stops the rank's cell and nothing else. Runs in a rank.
 
 A rank is either the main thread of its own process (the cpu backend) or a
 thread of a process it shares (the tpu launch path: torch_xla's xmp.spawn

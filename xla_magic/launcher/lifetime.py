@@ -1,4 +1,4 @@
-"""Process lifetime helpers for the launcher, supervisors and ranks (Linux)."""
+"""Process lifetime helpers (Linux). Runs in the launcher, its supervisors and the ranks."""
 
 from __future__ import annotations
 

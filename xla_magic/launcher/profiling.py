@@ -6,7 +6,7 @@ host); each rank process records the cell with
 there (``rank<N>``, N its first rank), where torch_xla writes
 ``plugins/profile/<time>/<host>.xplane.pb`` and ``<host>.trace.json.gz``.
 The rank reads its Chrome-trace JSON into a digest of the timeline's lane
-(profile_trace.digest: each rank process reads its own, all at once) and
+(wire/trace.py's digest: each rank process reads its own, all at once) and
 sends it with where the files are (protocol.PROFILE) with its reply; the
 kernel draws the timeline from that (profile_view.py).
 
@@ -281,12 +281,12 @@ def _on_main_thread() -> bool:
 
 
 def _digest(where: dict[str, Any]) -> dict[str, Any] | None:
-    """This process's trace, read here, at once, as every rank process reads its own (profile_trace.digest);
+    """This process's trace, read here, at once, as every rank process reads its own (wire/trace.py's digest);
     None if it could not be: the kernel then reads the files itself."""
     try:
-        from xla_magic import profile_trace
+        from xla_magic.wire import trace
 
-        return profile_trace.digest(where)
+        return trace.digest(where)
     except Exception:
         return None
 

@@ -21,12 +21,8 @@ from typing import Any
 
 import torch
 
-from xla_magic import protocol, transport
+from xla_magic.wire import protocol, transport
 from xla_magic.launcher import spmd
-
-# What a cell asks the kernel to display (see display()): set by serve.py for each rank.
-_displays = threading.local()
-_process_display: Any = None
 
 
 @dataclass
@@ -83,20 +79,6 @@ def result_event(value: Any, segments: transport.SegmentWriter | None = None) ->
             "traceback": "",
         }
     return protocol.RESULT, {"value": data, "empty": False}
-
-
-def set_display(send: Any) -> None:
-    """Where display() sends, for this rank: its thread, and (for threads the cell starts) its process."""
-    global _process_display
-    _displays.send = _process_display = send
-
-
-def display(what: str, data: Any) -> None:
-    """Have the kernel display ``data`` with its view for ``what`` (protocol.DISPLAY), after the output so far."""
-    send = getattr(_displays, "send", None) or _process_display
-    if send is None:
-        raise RuntimeError("nothing to display on: this is not a rank serving a cell")
-    send(what, data)
 
 
 def register_source(source: str, filename: str) -> None:

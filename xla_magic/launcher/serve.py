@@ -38,9 +38,9 @@ import traceback
 import types
 from typing import Any, Callable, Iterator, NamedTuple
 
-from xla_magic import protocol, transport
-from xla_magic.launcher import (capture, interrupt, lifetime, place, profiling, rank as rank_module, shell, stacks,
-                                xla_account, xla_analysis)
+from xla_magic.wire import protocol, transport
+from xla_magic.launcher import (capture, compile_cache, displays, interrupt, lifetime, place, profiling,
+                                rank as rank_module, shell, stacks, xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -200,7 +200,7 @@ class RankServer:
         self.reports_memory = rank_module.device_memory(self.device) is not None
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
-        rank_module.set_display(self.display)
+        displays.set_display(self.display)
         self.home = shell.Home(self.namespace)  # its IPython shell, made on first use
         shell.enter(self.home)
         self._filename = "<xla_pool>"
@@ -513,7 +513,8 @@ def serve(
                 channel.send(protocol.DONE, seq=waiting_seq, seconds=time.monotonic() - started)
                 return False
             channel.send(protocol.STATUS, state="ready", pid=os.getpid(), thread=thread,
-                         memory=rank_module.device_memory(server.device) if server.reports_memory else None)
+                         memory=rank_module.device_memory(server.device) if server.reports_memory else None,
+                         compile_cache=compile_cache.reported())
             if request is not None:
                 return server._answer(request)
             server.finish(START_SEQ, None, started)

@@ -18,7 +18,7 @@ process, with a stand-in for the shell of the rank that calls it.
 Display has one seam (as in ipykernel and ipyparallel's engines): the
 shell's ``display_pub``. Every ``display()``, rich repr and inline figure
 goes through :class:`RankPublisher`, which sends it to the kernel as a
-DISPLAY event (rank.display) and waits until it is shown, so it lands in
+DISPLAY event (displays.display) and waits until it is shown, so it lands in
 order with the rank's printed lines.
 """
 
@@ -35,7 +35,7 @@ from IPython.display import display
 from traitlets import Type
 from traitlets.config import Config
 
-from xla_magic.launcher import rank as rank_module
+from xla_magic.launcher import displays
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_NOTE = ("an ipywidgets widget, shown as text: widgets need a connection (a comm) to the notebook's "
@@ -55,7 +55,7 @@ class RankPublisher(DisplayPublisher):
         if WIDGET_VIEW in bundle["data"]:
             bundle["data"] = {"text/plain": str(bundle["data"].get("text/plain", "<widget>"))}
             bundle["note"] = WIDGET_NOTE
-        rank_module.display("mime", bundle)
+        displays.display("mime", bundle)
 
     def clear_output(self, wait: bool = False) -> None:
         """Ignored: the cell's output belongs to every rank, and one rank must not erase the others'."""

@@ -1,4 +1,4 @@
-"""The SPMD placement: one process owns every device, with a mesh. Runs in that process.
+"""The SPMD placement: one process owns every device, with a mesh. Runs in a rank (that process).
 
 torch_xla's SPMD mode (``xr.use_spmd()``) makes one process drive all the
 host's devices as a single virtual device; tensors are sharded over a
@@ -90,9 +90,9 @@ def show_sharding(tensor: torch.Tensor, mesh: Any = None) -> None:
     The description (``describe_sharding``) goes to the kernel, which draws
     it after the output the cell printed so far.
     """
-    from xla_magic.launcher import rank as rank_module
+    from xla_magic.launcher import displays
 
-    rank_module.display("sharding", describe_sharding(tensor, mesh))
+    displays.display("sharding", describe_sharding(tensor, mesh))
 
 
 def _axis_names(shape: tuple[int, ...], axis_names: Sequence[str] | None) -> tuple[str, ...]:

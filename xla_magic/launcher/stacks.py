@@ -29,7 +29,7 @@ import threading
 import types
 from typing import Any, Callable
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 
 CELL_FILE = "<xla_spawn cell"
 OFF_SWITCH = "XLA_MAGIC_STACKS"  # "0" in the kernel's environment: ranks started then have no sampler

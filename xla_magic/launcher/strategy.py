@@ -1,4 +1,4 @@
-"""The in-cell ``strategy`` object (Lightning XLAStrategy's surface). Runs in ranks.
+"""The in-cell ``strategy`` object (Lightning XLAStrategy's surface). Runs in a rank.
 
 Every method is written against torch_xla, as on a TPU. In the CPU
 simulation the torch_xla calls it makes are routed between the rank
@@ -21,9 +21,7 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
-from xla_magic.launcher import frameworks
-
-_current = threading.local()
+from xla_magic.launcher import current as this_thread, frameworks
 
 # How long a rank that finished waits at the closing rendezvous for the
 # slowest one; a failing rank ends the run long before (the kernel stops it).
@@ -32,12 +30,12 @@ CLOSING_PATIENCE = timedelta(days=1)
 
 def current() -> "RankStrategy | None":
     """The strategy of the rank running on this thread, if any."""
-    return getattr(_current, "strategy", None)
+    return this_thread.strategy()
 
 
 def activate(strategy: "RankStrategy") -> None:
     """Make ``strategy`` this thread's rank, for the in-cell names and for frameworks."""
-    _current.strategy = strategy
+    this_thread.set_strategy(strategy)
     frameworks.install(strategy.global_rank, strategy.world_size)
 
 

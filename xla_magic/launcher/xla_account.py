@@ -1,8 +1,9 @@
 """What XLA did during a cell, counted where it happened. Runs in a rank (process or thread).
 
 The account of one cell is plain data (see ``Span.account``): compilations
-with their time and cause, executions, cache hits, device-to-host
-transfers and CPU fallbacks. Counts are deltas of torch_xla's own counters
+with their time and cause, executions, cache hits, graphs loaded from the
+persistent compilation cache (compile_cache.py) with their time, and those
+it held but could not load, device-to-host transfers and CPU fallbacks. Counts are deltas of torch_xla's own counters
 (``torch_xla._XLAC``, what ``torch_xla.debug.metrics`` reads) between the
 cell's start and end. Causes come from torch_xla's compilation analysis
 (``PT_XLA_DEBUG_LEVEL=1``, xla_analysis.py): one block per compilation
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from xla_magic import protocol
+from xla_magic.wire import protocol
 from xla_magic.launcher.xla_analysis import claim_analysis, parse_analysis, read_analysis
 
 SYNC_FRAMES = 12  # how far up from .item() to look for a cell's line
@@ -83,6 +84,9 @@ def _xlac() -> Any:
 # in the background, maybe after the cell's end was read.
 ACTIVITY = ("UncachedCompile", "CachedCompile", "ExecuteComputation", "ExecuteReplicated",
             "xla::_to_copy", "xla::_to_cpu")
+# The persistent cache's (torch_xla/csrc/runtime/cache.h): a graph loaded from it also counts as CachedCompile,
+# one it could not load as UncachedCompile (it compiles), so ACTIVITY moves with each.
+LOADED, LOAD_FAILED, LOAD_TIME = "PersistentCacheHit", "PersistentCacheDeserializeFailure", "PersistentCacheLoad"
 
 
 _counter_value: Any = None  # torch_xla._XLAC._xla_counter_value, once bound
@@ -100,7 +104,7 @@ def read_counters() -> dict[str, int]:
     """ACTIVITY's counters and every aten:: one (CPU fallbacks), by name."""
     xlac = _xlac()
     return {name: xlac._xla_counter_value(name) or 0 for name in xlac._xla_counter_names()
-            if name in ACTIVITY or name.startswith("aten::")}
+            if name in ACTIVITY or name in (LOADED, LOAD_FAILED) or name.startswith("aten::")}
 
 
 def _own_counts() -> dict[str, int]:
@@ -312,13 +316,20 @@ class Span:
         compile_seconds = _seconds_since((COMPILE_TIME,), start.wall, compiles) if compiles else 0.0
         execute_seconds = _seconds_since(EXECUTE_TIMES, start.wall, executions) if executions else 0.0
         own_transfers = end.own.get(TRANSFERS, 0) - start.own.get(TRANSFERS, 0)
+        loaded, load_failures = grown(LOADED), grown(LOAD_FAILED)
+        tried = loaded + load_failures  # each timed, whether it loaded or not
         return {
             "ranks": sorted(self.ranks),
             "cell": filename,
             "analysis": "ours" if self.analysis is not None else "user",
             "compiles": compiles,
             "compile_seconds": compile_seconds,
-            "cached": grown("CachedCompile"),
+            "cached": max(0, grown("CachedCompile") - loaded),  # from memory; ``loaded`` came from disk
+            "loaded": loaded,
+            "load_seconds": _seconds_since((LOAD_TIME,), start.wall, tried) if tried else 0.0,
+            "load_failures": load_failures,
+            # XLA:CPU cannot load what it wrote: its failures are expected, not a stale cache
+            "cannot_load": bool(load_failures) and _platform() == "cpu",
             "executions": executions,
             "execute_seconds": execute_seconds,
             "transfers": max(0, end.transfers - start.transfers - own_transfers),
@@ -377,6 +388,12 @@ class Span:
                 self.seen[(entry["code"], entry["path"])] = {"run": self.run, **{key: entry[key] for key in
                                                                  ("cell", "line", "hash", "inputs", "input_bytes", "shapes")}}
         return compilations
+
+
+def _platform() -> str:
+    """The PJRT platform's version (its name, on XLA:CPU: cpu)."""
+    version = getattr(_xlac(), "_xla_get_platform_version", None)
+    return str(version()).lower() if version is not None else ""
 
 
 def _compile_samples(since: float) -> list[float]:

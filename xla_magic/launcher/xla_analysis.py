@@ -17,6 +17,8 @@ import tempfile
 import threading
 from typing import Any
 
+from xla_magic.wire import files
+
 # Set by a user, these give torch_xla's own debug output: then we set nothing.
 DEBUG_VARIABLES = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 # Frames the analysis keeps per compilation (torch_xla's default is 8): a sync deep in a library still reaches the cell.
@@ -53,28 +55,11 @@ def claim_analysis() -> str | None:
         _analysis_file = None
         if _user_debug:
             return None
-        descriptor, path = tempfile.mkstemp(prefix=analysis_prefix(os.getpid()), suffix=".txt")
+        descriptor, path = tempfile.mkstemp(prefix=files.analysis_prefix(os.getpid()), suffix=".txt")
         os.close(descriptor)
         os.environ.update(PT_XLA_DEBUG_LEVEL="1", PT_XLA_DEBUG_FILE=path, PT_XLA_DEBUG_MAX_FRAME=str(ANALYSIS_FRAMES))
         _analysis_file = path
         return path
-
-
-def analysis_prefix(pid: int) -> str:
-    """How the analysis files of rank process ``pid`` begin, in the temporary directory."""
-    return f"xla_magic-analysis-{pid}-"
-
-
-def remove_analysis_of(pids: list[int]) -> None:
-    """Remove the analysis files of rank processes that were killed (they could not remove their own)."""
-    root = tempfile.gettempdir()
-    prefixes = tuple(analysis_prefix(pid) for pid in pids)
-    for name in os.listdir(root):
-        if name.startswith(prefixes):
-            try:
-                os.unlink(os.path.join(root, name))
-            except OSError:
-                pass
 
 
 def release_analysis() -> None:

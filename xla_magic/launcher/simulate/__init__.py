@@ -1,4 +1,4 @@
-"""Run torch_xla's multiprocess calls across the cpu backend's ranks. Runs in ranks.
+"""Run torch_xla's multiprocess calls across the cpu backend's ranks. Runs in a rank.
 
 In the cpu backend each rank is a process with one XLA CPU device, and
 torch_xla on CPU cannot run a collective across processes. ``install``

@@ -1,4 +1,4 @@
-"""torch_xla.core.xla_model's collectives across simulated ranks. Runs in ranks.
+"""torch_xla.core.xla_model's collectives across simulated ranks. Runs in a rank.
 
 Each function has the signature, semantics, shapes, dtypes and refusals of
 the torch_xla 2.9 function it replaces, and bumps the metric counter that

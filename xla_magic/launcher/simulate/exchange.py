@@ -1,4 +1,4 @@
-"""How simulated ranks meet: the private gloo group, checks, metric counters. Runs in ranks.
+"""How simulated ranks meet: the private gloo group, checks, metric counters. Runs in a rank.
 
 Every simulated collective is one ``exchange``: each rank contributes the
 name of the call it reached and its value, and gets every rank's, by rank.

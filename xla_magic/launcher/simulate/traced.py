@@ -1,4 +1,4 @@
-"""torch.distributed's ways into the simulated collectives. Runs in ranks.
+"""torch.distributed's ways into the simulated collectives. Runs in a rank.
 
 - The XLA kernels of torch's functional collectives
   (``torch.ops._c10d_functional.*``): torch_xla implements them in C++,

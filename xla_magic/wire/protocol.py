@@ -1,4 +1,4 @@
-"""Event types and framing shared by the kernel, the launcher and the ranks.
+"""Event types and framing shared by the kernel, the launcher and the ranks. Runs on both sides.
 
 Runs in every process. Imports nothing heavy and nothing from the rest of the
 package, so the launcher side can use it without touching the kernel side.
@@ -94,7 +94,11 @@ class XlaAccount(TypedDict):
     analysis: str  # "ours" or "user": whose compilation analysis file the causes came from
     compiles: int
     compile_seconds: float
-    cached: int
+    cached: int  # graphs found in the in-memory cache
+    loaded: int  # graphs loaded from the persistent compilation cache instead of compiled
+    load_seconds: float
+    load_failures: int  # graphs the persistent cache held but could not load (compiled again)
+    cannot_load: bool  # the platform cannot load executables at all (XLA:CPU): the failures are expected
     executions: int
     execute_seconds: float
     transfers: int

@@ -1,4 +1,4 @@
-"""A rank process's ``--profile`` trace, read into a lane of events by kind. Standard library only, XLA-free.
+"""A rank process's ``--profile`` trace, read into a lane of events by kind. Runs on both sides: standard library only, XLA-free.
 
 Each rank process records the cell with torch_xla's profiler
 (launcher/profiling.py); torch_xla writes a Chrome-trace JSON
@@ -37,11 +37,8 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-
-from xla_magic.record import RunRecord
 
 KINDS = ("compile", "execute", "device→host", "host→device", "collective/wait", "annotation", "device op", "Python")
 NAMED = {"XLAGraphExecutor::Compile": "compile",
@@ -60,14 +57,11 @@ OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sa
 DIGEST_VERSION = 2  # of what digest() sends
 # Kinds whose events a lane keeps one by one (the text lists compiles; they are few): the others only as runs.
 KEPT = ("compile", "execute", "device→host", "host→device", "annotation")
-# The timeline's geometry (profile_view.py draws it; a lane groups its events into runs by it).
-WIDTH = 1000  # viewBox units across
-LEFT = 70  # where time starts (the rows' names are left of it)
-PLOT = WIDTH - LEFT - 10  # the units time spans: the longest lane fills it
-THINNEST = 0.3  # the narrowest mark drawn, in viewBox units
-# A unit is about a pixel at 1× (the notebook's width); at the widest zoom (16×) a sixteenth of one is a pixel:
-# marks of one kind closer than that are one mark, as the eye sees them there.
-PIXEL = 1 / 16
+# The digest's resolution: events of one kind closer than a step of a lane's span cut into STEPS are one run,
+# each event counted at least THINNEST_STEPS long. The timeline draws no finer than that at its widest zoom
+# (profile_view.py derives its geometry from these), so runs draw exactly as their events would.
+STEPS = 14_720
+THINNEST_STEPS = 4.8
 
 
 @dataclass(slots=True)
@@ -99,11 +93,6 @@ class Run:
     busy: float  # its events' durations added up, µs
     names: dict[str, int]  # how many of its events bear each name
     first: Event  # its first event (a run of one is that event)
-
-    def right(self, per_us: float) -> float:
-        """Where the run's mark ends on a timeline of ``per_us`` units per µs, LEFT where time starts (each of
-        its events drawn at least THINNEST wide, the last one starting last)."""
-        return LEFT + max(self.end * per_us, self.last_start * per_us + THINNEST)
 
 
 @dataclass
@@ -211,8 +200,7 @@ def _runs(events: list[Event], span: float) -> list[Run]:
     widest zoom of that run's end, as profile_view.marks joins marks, at this lane's own scale (the finest it
     is drawn at: the longest lane sets the scale), so that the picture drawn from runs is the one drawn from
     every event."""
-    per_us = PLOT / span if span > 0 else 0.0
-    pixel, thinnest = (PIXEL / per_us, THINNEST / per_us) if per_us else (0.0, 0.0)
+    pixel, thinnest = (span / STEPS, span * THINNEST_STEPS / STEPS) if span > 0 else (0.0, 0.0)
     runs: list[Run] = []
     open_runs: dict[str, Run] = {}  # the last run of each kind
     for event in events:
@@ -460,75 +448,3 @@ def _python(there: list[dict[str, Any]], origin: float) -> list[Event]:
             gaps.append(Event("Python", "Python", reached, start - reached))
         reached = end if reached is None or end > reached else reached
     return gaps
-
-
-def compile_labels(account: dict[str, Any] | None) -> dict[str, str]:
-    """Graph hash -> how the XLA report names the compile in a rank process's account: "line 6, x f32[5,16]"."""
-    from xla_magic import xla_report
-
-    labels = {}
-    for compilation in account["compilations"] if account else ():
-        if compilation["hash"]:
-            where = xla_report._where(account, compilation)
-            shapes = xla_report._shapes(compilation, limit=2)
-            labels[compilation["hash"]] = where + (f", {shapes}" if shapes else "")
-    return labels
-
-
-def _labels_of(record: RunRecord, where: dict[str, Any]) -> dict[str, str]:
-    """The compile names for a rank process's lane, from its own account (the one XLA event its ranks share)."""
-    ranks = where.get("ranks") or ()
-    state = record.ranks.get(ranks[0]) if ranks else None
-    return compile_labels(state.xla if state is not None and record.xla_report != "off" else None)
-
-
-def _profiles(record: RunRecord) -> list[dict[str, Any]]:
-    """Where each rank process's profile is, once per process (rank threads of one process share one)."""
-    seen: dict[int, dict[str, Any]] = {}
-    for _rank, state in sorted(record.ranks.items()):
-        if state.profile is not None:
-            seen.setdefault(id(state.profile), state.profile)
-    return list(seen.values())
-
-
-def lanes(record: RunRecord, reader: "Reader | None" = None) -> list[Lane]:
-    """Each rank process's lane, by first rank; those ``reader`` already read are taken from it."""
-    found = [reader.lane(record, where) if reader is not None else lane(where, _labels_of(record, where))
-             for where in _profiles(record)]
-    return sorted(found, key=lambda one: one.ranks[0] if one.ranks else -1)
-
-
-class Reader:
-    """The traces that came without their rank's digest, each read in a thread as soon as its rank says where it is.
-
-    A session listener while a ``--profile`` cell runs (runner.py): the
-    request tells listeners of each fact a rank sends, so a trace that the
-    kernel must read itself (6-7 ms a rank: its rank sent no digest) is
-    read while the slowest rank still runs. One thread reads them in turn
-    (the JSON parser holds the GIL: more would not go faster). A lane with
-    a digest is rebuilt at the cell's end instead (0.1-0.2 ms): a thread
-    for it cost the kernel more than the rebuild itself.
-    """
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._reading: dict[int, Future[Lane]] = {}  # by the id of a rank process's profile fact
-
-    def notice(self, record: RunRecord) -> None:
-        """Start reading each trace not yet being read (never raises: it runs as a listener)."""
-        try:
-            for where in _profiles(record):
-                if id(where) not in self._reading and not where.get("digest"):
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla_magic-profile")
-                    self._reading[id(where)] = self._pool.submit(lane, where, _labels_of(record, where))
-        except Exception:  # a malformed fact: lanes() reads it again and says what is wrong
-            pass
-
-    def lane(self, record: RunRecord, where: dict[str, Any]) -> Lane:
-        reading = self._reading.get(id(where))
-        return reading.result() if reading is not None else lane(where, _labels_of(record, where))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)

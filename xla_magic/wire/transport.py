@@ -1,4 +1,4 @@
-"""Large tensors and arrays through shared memory, once for every rank.
+"""Large tensors and arrays through shared memory, once for every rank. Runs on both sides.
 
 Runs in the kernel and in the ranks. Like protocol.py it imports nothing of
 IPython, of the kernel side or of torch_xla; torch and numpy are looked up in

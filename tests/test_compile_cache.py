@@ -1,0 +1,187 @@
+"""torch_xla's persistent compilation cache, one directory per rank, on the simulation with the cache forced on.
+
+Real ranks, real torch_xla: a cell's compilations land as files in each
+rank's own directory; a new pool in a new Jupyter kernel opens the same
+directories, and torch_xla's own counters show it found each graph there
+(XLA:CPU then cannot load it, and compiles: the TPU's path, exercised
+without its speed-up). A read-only directory and a full disk (tmpfs
+mounts, as root) never fail a cell: it runs without the cache, which one
+line says, once, and no warning reaches the cell. Off by default on the
+simulation; bad values are usage errors that say what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from IPython.core.error import UsageError
+
+from helpers import Kernel, pool_magic, spawn_cell, strip_ansi
+
+CELL = "import torch\nx = torch.ones(4, device=device) * 3 + rank\nx.sum().item()"
+# What torch_xla writes when it cannot use the cache (XLA:CPU's load failure, a failed write), and ours.
+WARNINGS = ("Failed to deserialize", "W torch_xla", "Warning", "warning")
+
+
+def cache_files(root) -> dict[str, list[str]]:
+    """Each leaf directory under ``root`` (a rank's) with the files torch_xla wrote there."""
+    found = {}
+    for folder, dirs, names in os.walk(root):
+        if not dirs:
+            found[os.path.relpath(folder, root)] = sorted(names)
+    return found
+
+
+def test_each_rank_writes_its_own_directory_and_the_pool_keeps_it(ip, tmp_path):
+    root = tmp_path / "cache"
+    started = pool_magic(ip, f"start --devices 2 --backend cpu --compile-cache {root}")
+    try:
+        assert "compile cache" not in started, started
+        value, out, err, _ = spawn_cell(ip, "", CELL)
+        assert value == [12.0, 16.0]
+        assert err == "" and "compile cache" not in out, (out, err)
+        found = cache_files(root)
+        leaves = sorted(path.rpartition(os.sep)[2] for path in found)
+        assert leaves == ["rank-0-of-2", "rank-1-of-2"], found
+        # keyed by torch_xla's version, the platform's and the device kind, then the rank's place in the world
+        assert all(path.startswith("torch_xla-") and f"{os.sep}cpu{os.sep}" in path for path in found), found
+        assert all(names and not any(name.startswith(".") for name in names) for names in found.values()), found
+
+        with pytest.raises(UsageError, match="opened their compilation cache when they started"):
+            ip.run_cell_magic("xla_spawn", "--compile-cache off", CELL)
+        status = strip_ansi(pool_magic(ip, "") + _status(ip))
+        assert f"Cache:    {root}: " in status and "2 folder(s)" in status, status
+        assert f"rm -r {root}" in status and "--compile-cache off" in status, status
+        pool_magic(ip, "restart")  # new ranks, the same cache
+        assert f"Cache:    {root}: " in _status(ip)
+        pool_magic(ip, "restart --compile-cache off")
+        assert "Cache:    off (--compile-cache off)" in _status(ip)
+    finally:
+        pool_magic(ip, "stop")
+
+
+def _status(ip) -> str:
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        ip.run_line_magic("xla_status", "--text")
+    return captured.stdout
+
+
+def test_a_new_pool_in_a_new_kernel_reads_the_same_directories(ip, tmp_path):
+    root = tmp_path / "cache"
+    value, out, err, _ = spawn_cell(ip, f"--devices 2 --backend cpu --compile-cache {root}", CELL)
+    assert value == [12.0, 16.0] and err == "", err
+    written = cache_files(root)
+    assert len(written) == 2 and all(written.values()), written
+
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        # The variable, set in the notebook after the extension loaded, is read when the pool starts.
+        reply, text = kernel.run(f"import os\nos.environ['XLA_MAGIC_COMPILE_CACHE'] = {str(root)!r}\n"
+                                 "%xla_pool start --devices 2 --backend cpu")
+        assert reply["status"] == "ok", text
+        reply, text = kernel.run("%%xla_spawn\n" + CELL)
+        assert reply["status"] == "ok", text
+        assert text.strip() == "[12.0, 16.0]", text  # no warning reached the cell
+        # torch_xla's own attempt, in its counters: each rank found its graph in its directory, and XLA:CPU
+        # could not load it (so it compiled again); the report says why.
+        reply, text = kernel.run("%xla_report --text")
+        assert "0 (1 not loadable)" in text and "XLA:CPU cannot load" in text, text
+        reply, text = kernel.run("%xla_pool stop")
+        assert reply["status"] == "ok", text
+    finally:
+        kernel.close()
+    assert cache_files(root).keys() == written.keys()
+
+
+def test_the_spmd_process_and_the_tpu_path_s_rank_threads_open_one_directory_each_process(spawn, tmp_path,
+                                                                                         monkeypatch):
+    spmd = spawn(f"--spmd --devices 2 --compile-cache {tmp_path / 'spmd'}", "import torch\n"
+                 "(torch.ones(4, device=device) * 3).sum().item()")
+    assert spmd.value == 12.0 and "compile cache" not in spmd.stdout, spmd.stdout
+    assert "Failed to deserialize" not in spmd.stderr, spmd.stderr  # (XLA's own GSPMD notice stays)
+    assert [path.rpartition(os.sep)[2] for path in cache_files(tmp_path / "spmd")] == ["spmd-2"]
+    # The tpu launch path on CPU: two rank threads of one process share its cache, opened once, before either compiles.
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    threads = spawn(f"--devices 2 --backend tpu --compile-cache {tmp_path / 'threads'}", CELL)
+    assert threads.value == [12.0, 16.0] and threads.stderr == "", threads.stderr
+    found = cache_files(tmp_path / "threads")
+    assert [path.rpartition(os.sep)[2] for path in found] == ["process-0-of-1-world-2"], found
+    assert len(next(iter(found.values()))) == 2  # each thread's graph (x * rank differs)
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """``mount(options)``: a fresh tmpfs mounted with ``options`` (root only), unmounted after the test."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts = []
+
+    def mount(options: str):
+        path = tmp_path / f"mount{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    try:
+        yield mount
+    finally:
+        for path in mounts:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+def test_an_unwritable_directory_does_not_fail_the_cell_and_is_said_once(ip, mounted):
+    read_only = mounted("ro,size=1m")
+    line = f"--devices 2 --backend cpu --compile-cache {read_only}"
+    value, out, err, _ = spawn_cell(ip, line, CELL)
+    assert value == [12.0, 16.0]
+    said = [text for text in out.splitlines() if "compile cache" in text]
+    assert len(said) == 1 and f"every rank: {read_only} is not writable" in said[0], out
+    assert not any(warning in out + err for warning in WARNINGS), (out, err)
+    value, out, err, _ = spawn_cell(ip, line, CELL)  # said once a session
+    assert value == [12.0, 16.0] and "compile cache" not in out and err == "", (out, err)
+
+
+def test_a_full_disk_does_not_fail_the_cell(ip, mounted):
+    full = mounted("size=256k")
+    with open(full / "filler", "wb") as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError:
+            pass
+    started = pool_magic(ip, f"start --devices 2 --backend cpu --compile-cache {full}")
+    try:
+        said = [text for text in started.splitlines() if "compile cache" in text]
+        assert len(said) == 1 and f"every rank: {full} is on a full disk" in said[0], started
+        value, out, err, _ = spawn_cell(ip, "", CELL)
+        assert value == [12.0, 16.0]
+        assert "compile cache" not in out and not any(warning in out + err for warning in WARNINGS), (out, err)
+        assert "not used by the pool" in _status(ip)
+    finally:
+        pool_magic(ip, "stop")
+
+
+def test_off_by_default_on_the_simulation_and_bad_values_say_what_to_do(ip, tmp_path, monkeypatch):
+    assert "Cache:    off on XLA:CPU" in _status(ip)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(UsageError, match="is a file, not a directory"):
+        ip.run_cell_magic("xla_spawn", f"--devices 2 --backend cpu --compile-cache {a_file}", CELL)
+    with pytest.raises(UsageError, match="--compile-cache goes with %xla_pool start and restart only"):
+        ip.run_line_magic("xla_pool", "stop --compile-cache off")
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", str(a_file))
+    with pytest.raises(UsageError, match=f"XLA_MAGIC_COMPILE_CACHE {a_file}: .* is a file"):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "off")
+    assert "Cache:    off (XLA_MAGIC_COMPILE_CACHE off)" in _status(ip)

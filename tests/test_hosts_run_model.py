@@ -1,0 +1,113 @@
+"""Several hosts say what one host says: the watchdog's line names every global rank while the cell runs, the
+panel's "where" moves, and %xla_stacks asks every rank on every host where it is now. 2 simulated hosts
+(network namespaces) x 2 ranks, one real IPython shell."""
+
+from __future__ import annotations
+
+import html
+import re
+import threading
+import time
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from helpers import Listening
+from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
+from xla_magic import widget
+from xla_magic.display import RunInterrupted
+from xla_magic.record import RunRecord
+
+HOSTS_TAG = 5  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
+HANG_AFTER = 2.0
+
+
+def test_the_watchdog_names_every_rank_on_every_host_while_the_cell_runs(ip, pool):
+    # Rank 0 waits in a rendezvous the others never join; they finish, on both hosts. The line must say so of
+    # all four while the cell still runs, and the panel's rows must read as they do on one host at that moment.
+    cell = ("import torch_xla.core.xla_model as xm\n"
+            "print('in place', flush=True)\n"
+            "if rank == 0:\n"
+            "    xm.rendezvous('save')\n")
+    seen: dict[str, object] = {}
+
+    def listener(record: RunRecord) -> None:
+        if record.hang and "hang" not in seen:
+            seen["hang"] = record.hang
+            seen["states"] = {rank: state.state for rank, state in record.ranks.items()}
+            seen["panel"] = widget.ranks_html(record)
+            record.interrupt_requested = True  # as the panel's Interrupt button does
+
+    with Listening(ip._xla_magic_session, listener), capture_output() as shown, pytest.raises(RunInterrupted):
+        ip.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g} --timeout 200", cell)
+    line = seen.get("hang")
+    assert line, f"no watchdog line while the cell ran; the cell showed: {shown.stdout}"
+    assert re.search(r"h0 r0 has waited \d+ s in xm\.rendezvous\('save'\) \(line 4\)", line), line
+    assert "h0 r1, h1 r2, h1 r3 finished the cell" in line, line
+    assert line in shown.stdout  # said once under the cell, as on one host
+    assert seen["states"] == {0: "running", 1: "done", 2: "done", 3: "done"}
+    waiting = html.escape("waiting in xm.rendezvous('save') (line 4)")
+    assert f'<td class="xla-where">{waiting}</td>' in seen["panel"]
+    # %xla_stacks tells the watchdog's line again, with every rank's place by its host.
+    with capture_output() as captured:
+        ip.run_line_magic("xla_stacks", "")
+    assert "h0 r0: waiting in xm.rendezvous('save') (line 4)" in captured.stdout
+
+
+def test_xla_stacks_asks_every_rank_on_every_host_where_it_is_now(ip, pool):
+    leaves_a_thread = ("import threading, time\n"
+                       "def nap():\n"
+                       "    time.sleep(600)\n"
+                       "threading.Thread(target=nap, name='napper', daemon=True).start()\n")
+    with capture_output():
+        ip.run_cell_magic("xla_spawn", "", leaves_a_thread)
+    with capture_output() as captured:
+        ip.run_line_magic("xla_stacks", "")
+    lines = captured.stdout.splitlines()
+    now = lines.index("Where the pool's ranks are now:")
+    assert lines[now + 1:now + 4] == ["h0 r0, h0 r1, h1 r2, h1 r3: idle (no cell running)",
+                                      "  thread 'napper': sleeping in time.sleep (line 3)",
+                                      "    line 3 in nap: time.sleep(600)"], lines
+    with capture_output() as captured:
+        ip.run_line_magic("xla_stacks", "--rank 3")
+    assert "h1 r3: idle (no cell running)" in captured.stdout
+    assert "h0 r0" not in captured.stdout.split("Where the pool's ranks are now:")[-1]
+
+
+def test_the_panel_s_where_moves_on_every_host_as_the_ranks_move(ip, pool):
+    # Each rank sleeps at one line, then at another: the kernel's record (what the panel draws) follows both.
+    cell = ("import time\n"
+            "time.sleep(3 + rank)\n"
+            "print('moved', flush=True)\n"
+            "time.sleep(600)\n")
+    places: dict[int, list[str]] = {rank: [] for rank in range(4)}
+    done = threading.Event()
+
+    def listener(record: RunRecord) -> None:
+        for rank, state in record.ranks.items():
+            if state.where and (not places[rank] or places[rank][-1] != state.where):
+                places[rank].append(state.where)
+        if all(len(seen) >= 2 for seen in places.values()) and not done.is_set():
+            done.set()
+            record.interrupt_requested = True
+
+    deadline = time.monotonic() + 240
+    with Listening(ip._xla_magic_session, listener), capture_output(), pytest.raises(RunInterrupted):
+        ip.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g} --timeout 200", cell)
+    assert time.monotonic() < deadline
+    for rank, seen in places.items():
+        assert seen[:2] == ["sleeping in time.sleep (line 2)", "sleeping in time.sleep (line 4)"], (rank, places)
+
+
+def test_a_restart_keeps_every_host_s_engine_and_starts_fresh_ranks(ip, pool):
+    with capture_output():
+        ip.run_cell_magic("xla_spawn", "", "kept = rank")
+    engines, ranks = list(pool.engine_pids), dict(pool.pids)
+    with capture_output() as shown:
+        ip.run_line_magic("xla_pool", "restart")
+    assert "pool ready" in shown.stdout
+    assert ip._xla_magic_session.pool is pool and pool.engine_pids == engines  # the same cluster, no new engine
+    assert set(pool.pids) == set(ranks) and not set(pool.pids.values()) & set(ranks.values())  # new ranks
+    with capture_output():
+        value = ip.run_cell_magic("xla_spawn", "", "'kept' in dir()")
+    assert value == [False] * 4

@@ -1,0 +1,191 @@
+"""Where the ranks keep torch_xla's persistent compilation cache, as the kernel decides it. Runs in the kernel.
+
+``--compile-cache DIR|on|off`` (on ``%%xla_spawn`` and ``%xla_pool
+start``), else ``XLA_MAGIC_COMPILE_CACHE``, else the default: on, under
+``~/.cache/xla_magic/compile-cache`` (``$XDG_CACHE_HOME`` where set), on a
+TPU, and off on XLA:CPU (the simulation, the tpu path on CPU threads),
+which cannot load what it writes ("Deserializing serialized executable not
+supported"). Given explicitly (a directory, or ``on``), it is on anywhere:
+that exercises the TPU's path in the simulation. The home directory
+survives kernel restarts everywhere; Colab's runtime reset and a new Kaggle
+session lose it (docs/pools.md says where to point it there instead).
+
+Each rank process opens a directory of its own under the root
+(launcher/compile_cache.py says why), reports what it found when it is
+ready, and this module turns those reports into one line when the cache
+could not be used, and into the status panel's fact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from IPython.core.error import UsageError
+
+VARIABLE = "XLA_MAGIC_COMPILE_CACHE"
+OPTION = "--compile-cache"
+# torch_xla's warning for each graph that XLA:CPU cannot load from the cache: expected where the cache
+# is forced on in the simulation, so not shown there (Ranks.quiet_line).
+CPU_LOAD_WARNING = re.compile(r"\] Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized "
+                              r"executable not supported")
+
+
+def default_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "xla_magic", "compile-cache")
+
+
+@dataclass(frozen=True)
+class CacheSetting:
+    """What was asked for: a root (None: off) and whether explicitly, so on even on XLA:CPU."""
+
+    root: str | None
+    forced: bool = False
+    source: str = "default"  # --compile-cache, XLA_MAGIC_COMPILE_CACHE or default
+
+    def job(self, on_cpu: bool) -> dict[str, Any] | None:
+        """What the ranks' job carries: None when the ranks open no cache."""
+        if self.root is None or (on_cpu and not self.forced):
+            return None
+        return {"root": self.root, "quiet": on_cpu}
+
+    def describe(self, on_cpu: bool) -> str:
+        if self.root is None:
+            return f"off ({self.source} off)"
+        if on_cpu and not self.forced:
+            return (f"off on XLA:CPU, which cannot load compiled executables ({OPTION} DIR or "
+                    f"{VARIABLE}=DIR forces it on, to exercise the TPU's path)")
+        return self.root
+
+
+def parse(value: str, where: str) -> CacheSetting:
+    """``off``, ``on`` (the default directory) or a directory; UsageError for anything else."""
+    text = value.strip()
+    if text.lower() == "off":
+        return CacheSetting(None, source=where)
+    if text.lower() == "on":
+        return CacheSetting(default_root(), forced=True, source=where)
+    if not text:
+        raise UsageError(f"{where} takes a directory, on or off, not an empty value")
+    if "\0" in text:
+        raise UsageError(f"{where} takes a directory, on or off: {value!r} holds a NUL character")
+    root = os.path.abspath(os.path.expanduser(text))
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UsageError(f"{where} {text}: {root} is a file, not a directory. Give a directory for the cache "
+                         f"(it is made if missing), or off")
+    return CacheSetting(root, forced=True, source=where)
+
+
+def option(text: str) -> CacheSetting:
+    """The argparse type of --compile-cache (its UsageError becomes the magic's usage error)."""
+    import argparse
+
+    try:
+        return parse(text, OPTION)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def resolve(given: CacheSetting | None, environ: Mapping[str, str] = os.environ) -> CacheSetting:
+    """The option if given, else the variable (read now: a cell may have set it), else the default."""
+    if given is not None:
+        return given
+    value = environ.get(VARIABLE)
+    if value is not None:
+        return parse(value, VARIABLE)
+    return CacheSetting(default_root())
+
+
+def quiet_line(job: dict[str, Any] | None) -> Callable[[str], bool] | None:
+    """What of the ranks' stderr not to show: XLA:CPU's load warnings where the cache is forced on there."""
+    if not job or not job.get("quiet"):
+        return None
+    return lambda line: CPU_LOAD_WARNING.search(line) is not None
+
+
+# --- what the ranks reported ------------------------------------------------------
+
+
+def problems(facts: Mapping[int, dict[str, Any]]) -> dict[str, list[int]]:
+    """Why ranks run without the cache they were given, and which: one entry per reason."""
+    found: dict[str, list[int]] = {}
+    for rank, fact in sorted(facts.items()):
+        if fact and fact.get("why"):
+            found.setdefault(fact["why"], []).append(rank)
+    return found
+
+
+def problem_line(facts: Mapping[int, dict[str, Any]], told: set[str]) -> str | None:
+    """The one line a start says when ranks could not use the cache (each reason once a session), or None."""
+    lines = []
+    for why, ranks in problems(facts).items():
+        if why in told:
+            continue
+        told.add(why)
+        who = ("every rank" if len(ranks) == len(facts)
+               else f"rank{'s' * (len(ranks) > 1)} " + ", ".join(map(str, ranks)))
+        lines.append(f"{who}: {why}")
+    if not lines:
+        return None
+    return (f"compile cache: not used ({'; '.join(lines)}); the cells run without it and compile as usual. "
+            f"{OPTION} DIR picks another place, {OPTION} off turns it off")
+
+
+def directories(facts: Mapping[int, dict[str, Any]]) -> list[str]:
+    """The directories the ranks use, once each (rank threads of one process share one)."""
+    return sorted({fact["dir"] for fact in facts.values() if fact and fact.get("on")})
+
+
+SIZE_KEPT = 5.0  # seconds a size is reused: the live panel redraws often while a cell runs, and a cache can be large
+_sizes: dict[str, tuple[float, tuple[int, int]]] = {}
+
+
+def size_of(path: str) -> tuple[int, int]:
+    """(files, bytes) under ``path``; (0, 0) when it is not there. Read again at most every SIZE_KEPT seconds."""
+    now = time.monotonic()
+    kept = _sizes.get(path)
+    if kept is not None and now - kept[0] < SIZE_KEPT:
+        return kept[1]
+    _sizes[path] = (now, _walk(path))
+    return _sizes[path][1]
+
+
+def _walk(path: str) -> tuple[int, int]:
+    files = total = 0
+    for folder, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+                files += 1
+            except OSError:
+                pass
+    return files, total
+
+
+def fact(setting: CacheSetting, on_cpu: bool, facts: Mapping[int, dict[str, Any]] | None) -> str:
+    """%xla_status's line: where the cache is, how big, and how to clear or turn it off."""
+    where = setting.describe(on_cpu)
+    if setting.job(on_cpu) is None:
+        return where
+    files, total = size_of(setting.root or "")
+    text = f"{where}: {files} file(s), {_size(total)}"
+    if facts:
+        used = directories(facts)
+        wrong = problems(facts)
+        if used:
+            text += f"; the pool's ranks use {len(used)} folder(s) in it"
+        if wrong:
+            text += "; not used by the pool: " + "; ".join(wrong)
+    return text + f". To clear it: rm -r {setting.root} (with no ranks running); {OPTION} off turns it off"
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
