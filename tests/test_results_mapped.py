@@ -1,7 +1,7 @@
 """Results mapped from shared memory, through a real Jupyter kernel: values, and the memory's life.
 
 A rank writes a large tensor or array result once into a segment; the kernel
-maps it, unlinks it, and builds the value over the mapping (transport.py).
+maps it, unlinks it, and builds the value over the mapping (wire/transport.py).
 These tests drive a real kernel (jupyter_client) with a real 2-rank pool and
 check what a notebook user would: the values, dtypes and shapes; a result
 kept across later cells, mutated in the kernel, alive across a pool restart;
@@ -18,7 +18,7 @@ import os
 import pytest
 
 from helpers import Kernel
-from xla_magic import transport
+from xla_magic.wire import transport
 
 # Run on every rank (device: its XLA device) and, with device="cpu", in the kernel for the expected values.
 VALUES = """
