@@ -158,8 +158,8 @@ def ship_row(kernel: Kernel) -> Row:
 
 def round_trip_row(kernel: Kernel) -> Row:
     kernel.run(f"import ipyparallel\ncluster = ipyparallel.Cluster(n={RANKS}, log_level=40)\n"
-               f"client = cluster.start_and_connect_sync(activate=False)\nclient.wait_for_engines({RANKS}, timeout=300)\n"
-               "client[:].activate()")
+               "client = cluster.start_and_connect_sync(activate=False)\n"
+               f"client.wait_for_engines({RANKS}, timeout=300)\nclient[:].activate()")
     try:
         cells = {"ours": "%%xla_spawn\na = 1", "px": "%%px --block\na = 1"}
         alternate(kernel, cells, WARM_UP)
