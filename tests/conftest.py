@@ -179,7 +179,7 @@ def _under_one_of(pid: int, others: set[int]) -> bool:
 
 def _session_processes(session) -> set[int]:
     """The session's own launcher and what runs under it (kept across tests by design; the pool is checked apart)."""
-    launcher = getattr(session, "launcher", None)
+    launcher = getattr(getattr(session, "host", None), "launcher", None)
     if launcher is None or not alive(launcher.pid):
         return set()
     try:

@@ -132,12 +132,12 @@ def test_xla_profile_before_any_profile_is_a_usage_error(ip):
     from IPython.core.error import UsageError
 
     session = ip._xla_magic_session
-    last, session.last_profiled = session.last_profiled, None
+    last, session.runs.last_profiled = session.last_profiled, None
     try:
         with pytest.raises(UsageError, match="no %%xla_spawn --profile cell"):
             ip.run_line_magic("xla_profile", "")
     finally:
-        session.last_profiled = last
+        session.runs.last_profiled = last
 
 
 def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
