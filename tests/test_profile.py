@@ -36,10 +36,12 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     assert session.listeners == listening
     found = profile_lanes.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
-    # Each rank process read its own trace and sent the digest with its reply; the files read here tell the same.
+    # Each rank process replied first, then read its own trace into the digest file its reply named; the files
+    # read here tell the same.
     for one in found:
-        assert one.where.get("digest")
-        files_only = {key: value for key, value in one.where.items() if key != "digest"}
+        assert not one.where.get("digest") and os.path.dirname(one.where["digest_file"]) == one.where["folder"]
+        assert trace.wait_digest(one.where)["version"] == trace.DIGEST_VERSION
+        files_only = {key: value for key, value in one.where.items() if key not in ("digest", "digest_file")}
         here = trace.lane(files_only, profile_lanes.compile_labels(record.ranks[one.ranks[0]].xla))
         assert (here.events, here.runs, here.ops, here.lines, here.span) == (
             one.events, one.runs, one.ops, one.lines, one.span)

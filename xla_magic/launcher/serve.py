@@ -217,6 +217,7 @@ class RankServer:
         self._results: transport.SegmentWriter | None = None
         self._xla_frame = b""  # the cell's account of what XLA did (XLA), and its profile (PROFILE), sent with its reply
         self._accountant: xla_account.Accountant | None = None  # this process's, once a cell asked for an account
+        self._after_reply: list[Callable[[], None]] = []  # what waits until the reply went (a profile's digest)
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
@@ -325,6 +326,9 @@ class RankServer:
             # never as a reply to this one, which the kernel has closed.
             self._answered = seq
             self.channel.sock.sendall(frames)
+        after, self._after_reply = self._after_reply, []
+        for job in after:
+            job()  # never raises (profiling.write_digest)
         xla_account.settle()  # the next cell's start read, off its path
 
     def display(self, what: str, data: Any) -> None:
@@ -404,9 +408,13 @@ class RankServer:
         try:
             yield
         finally:
-            where = profiler.end()
+            # A pool's rank replies first and digests its trace after (the kernel waits for the digest, the cell
+            # does not); a one-shot rank's process ends with its reply, so its digest goes with it.
+            where = profiler.end(digest_now=self.serving.one_shot)
             if where is not None:
                 self._xla_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
+                if where.get("digest_file"):
+                    self._after_reply.append(lambda: profiling.write_digest(where))
 
     @contextlib.contextmanager
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
