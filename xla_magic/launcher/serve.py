@@ -215,7 +215,8 @@ class RankServer:
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
-        self._xla_frame = b""  # the cell's account of what XLA did (XLA), and its profile (PROFILE), sent with its reply
+        self._xla_frame = b""  # the cell's account of what XLA did (XLA), sent with its reply
+        self._profile_frame = b""  # the cell's profile (PROFILE), sent after its account (the kernel names compiles by it)
         self._accountant: xla_account.Accountant | None = None  # this process's, once a cell asked for an account
         self._after_reply: list[Callable[[], None]] = []  # what waits until the reply went (a profile's digest)
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
@@ -319,7 +320,8 @@ class RankServer:
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
                                processes=self.children.kept())
         xla, self._xla_frame = self._xla_frame, b""
-        frames = (reply or b"") + xla + done
+        profile, self._profile_frame = self._profile_frame, b""
+        frames = (reply or b"") + xla + profile + done
         with self.channel.lock:
             # Answered from here on: a signal handler that raises once the bytes go (sendall runs the
             # handlers after it sent, and so does any call after it) is told with the next request,
@@ -383,7 +385,9 @@ class RankServer:
             memory.start()
         try:
             self.phase = "cell"
-            with self._profiled(fields), self._accounted(fields), interrupt.Cell():
+            # The account's readings outside the trace: torch_xla's profiler does not record them, as it does not
+            # when the cell traces itself.
+            with self._accounted(fields), self._profiled(fields), interrupt.Cell():
                 value = self.home.run(fields["source"], body, last)
             self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
@@ -412,7 +416,7 @@ class RankServer:
             # does not); a one-shot rank's process ends with its reply, so its digest goes with it.
             where = profiler.end(digest_now=self.serving.one_shot)
             if where is not None:
-                self._xla_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
+                self._profile_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
                 if where.get("digest_file"):
                     self._after_reply.append(lambda: profiling.write_digest(where))
 
