@@ -22,6 +22,14 @@ other round (so drift in the machine's load falls on all alike), as:
 - ``--profile`` (as in a notebook) and the profiler alone for a cell of ten
   times the steps: ten times the trace, which the kernel rebuilds and draws.
 
+A pool's --profile cell returns at its ranks' replies; each rank then reads
+its trace and the kernel fills in the picture (or prints the text) once
+every reading came. A cell is timed until it returned, and also until its
+profile was complete (rows "until its picture was filled in"); the next
+cell starts only then, as the next ``%%xla_spawn`` would, so no rank's
+reading falls on another kind's cell. The sampler's period (10 ms) is
+measured against its former 5 ms (``XLA_MAGIC_PROFILE_LINES=5``).
+
 Figures: each kind's median cell, and the median over rounds of each
 round's ratio to the profiler alone (steadier than a ratio of medians on a
 loaded machine). Also the kernel process's own CPU time per cell (all its

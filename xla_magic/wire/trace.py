@@ -6,7 +6,8 @@ Each rank process records the cell with torch_xla's profiler
 and sorts its complete events (``"ph": "X"``) into kinds, thread by
 thread, then groups each kind's events that touch at the timeline's widest
 zoom into runs (:class:`Run`); profile_view.py draws the runs. The rank
-process reads its own trace (:func:`digest`, sent with its reply) and the
+process reads its own trace (:func:`digest`, sent with its reply, or by a
+pool's rank written beside the trace after it: :func:`wait_digest`) and the
 kernel rebuilds the lane from that; it reads the files itself only where
 no digest came (a ``Reader`` then reads each as soon as its rank says
 where it is, while the others still run).
