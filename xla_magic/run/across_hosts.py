@@ -140,13 +140,25 @@ class HostsRequest:
                 outcome = call.get()
             except Exception as exc:  # the engine died or could not run the call
                 outcome = {"outcome": "lost", "message": _engine_problem(exc)}
-                self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) "
-                                      f"{outcome['message']}")
+                self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) {outcome['message']}")
             self.outcomes[index] = outcome
+            if outcome["outcome"] == "ok":
+                self._host_done(index)
             if outcome.get("broken"):
                 self._broke(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
             if outcome["outcome"] != "ok" and self.stopping is None:
                 self._stop_hosts("failure")
+
+    def _host_done(self, index: int) -> None:
+        """Every rank of a host that answered is done, for the panel, while the other hosts still run."""
+        record = self.record
+        if record is None:
+            return
+        for local in range(self.devices):
+            state = record.ranks.get(index * self.devices + local)
+            if state is not None and state.ended is None:
+                state.state, state.ended = "done", time.monotonic()
+        self.history.notify(record)
 
     def _show(self, final: bool = False) -> None:
         """The whole lines each host printed since last time, host by host (the rest once the call ended)."""
