@@ -274,12 +274,13 @@ def test_a_rank_that_uses_sigalrm_itself_keeps_it_and_still_gets_its_lines(ip, p
 # --- a pool's reply does not wait for its profile ----------------------------------------------------
 
 def gated_cell(gate: str) -> str:
-    """A --profile cell whose ranks' digests, after their replies, wait until the test creates ``gate``: so the
-    cell's end, and what shows before the digests came, are seen for sure."""
+    """A --profile cell whose ranks' digests, after their replies, wait until the test creates ``gate`` (this
+    cell's only): so the cell's end, and what shows before the digests came, are seen for sure."""
     return ("import os, time, torch, torch_xla\nfrom xla_magic.launcher import profiling\n"
             "real = getattr(profiling, 'real_digest', profiling._digest)\nprofiling.real_digest = real\n"
             f"def gated(where, real=real, gate={gate!r}):\n"
             "    while not os.path.exists(gate):\n        time.sleep(0.01)  # polling the test's gate file\n"
+            "    profiling._digest = real  # the next cells digest as ever\n"
             "    return real(where)\n"
             "profiling._digest = gated\n"
             "y = (torch.ones(4, device=device) * 2).sum(); torch_xla.sync(); y.item()")
