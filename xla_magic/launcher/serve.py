@@ -329,8 +329,8 @@ class RankServer:
             self._answered = seq
             self.channel.sock.sendall(frames)
         after, self._after_reply = self._after_reply, []
-        for job in after:
-            job()  # never raises (profiling.write_digest)
+        for job in after:  # (profiling.write_digest: never raises)
+            job()
         xla_account.settle()  # the next cell's start read, off its path
 
     def display(self, what: str, data: Any) -> None:
@@ -385,9 +385,7 @@ class RankServer:
             memory.start()
         try:
             self.phase = "cell"
-            # The account's readings outside the trace: torch_xla's profiler does not record them, as it does not
-            # when the cell traces itself.
-            with self._accounted(fields), self._profiled(fields), interrupt.Cell():
+            with self._accounted(fields), self._profiled(fields), interrupt.Cell():  # account read outside the trace
                 value = self.home.run(fields["source"], body, last)
             self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
@@ -412,8 +410,7 @@ class RankServer:
         try:
             yield
         finally:
-            # A pool's rank replies first and digests its trace after (the kernel waits for the digest, the cell
-            # does not); a one-shot rank's process ends with its reply, so its digest goes with it.
+            # A pool's rank digests its trace after its reply; a one-shot rank's process ends with its reply.
             where = profiler.end(digest_now=self.serving.one_shot)
             if where is not None:
                 self._profile_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
