@@ -22,7 +22,8 @@ other round (so drift in the machine's load falls on all alike), as:
 - ``--profile`` (as in a notebook) and the profiler alone for a cell of ten
   times the steps: ten times the trace, which the kernel rebuilds and draws.
 
-A pool's --profile cell returns at its ranks' replies; each rank then reads
+Each cell is followed by an untimed cell that does nothing (SEPARATOR), so
+every kind follows the same cell. A pool's --profile cell returns at its ranks' replies; each rank then reads
 its trace and the kernel fills in the picture (or prints the text) once
 every reading came. A cell is timed until it returned, and also until its
 profile was complete (rows "until its picture was filled in"); the next
@@ -111,6 +112,10 @@ LONG = "steps(100)"
 LONG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps(100)\nxp.stop_trace()"
 BIG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nbig_steps()\nxp.stop_trace()"
 PYTHON = "python_work()"
+# Run untimed after every cell, so that each kind follows the same cell: a cell's time depends on the one before
+# it (a --profile cell took 81 ms after a cell that traced itself, 65 ms after another --profile cell, whose end
+# waited for its ranks' readings; the cell tracing itself took 66 ms), and without it each kind has other neighbours.
+SEPARATOR = "None"
 NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines; a number, the period
 OLD_PERIOD_MS = 5  # the sampler's period before it became 10 ms
 
@@ -209,6 +214,7 @@ def measure(shell: Any) -> dict[str, list[float]]:
         for i in range(ROUNDS):
             for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):
                 times[kind].append(run(shell, kind))
+                cell_time(shell, "", SEPARATOR)
         return times
     finally:
         with capture_output():
