@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from xla_magic import stacks
 from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.hosts.naming import RESTART, label
-from xla_magic.hosts.on_host import NEWS, HostOutcome
+from xla_magic.hosts.on_host import NEWS, QUIET_NEWS, HostOutcome
 from xla_magic.record import RunRecord
 from xla_magic.run.watch import HANG_AFTER, HangLine, confirm_after
 
@@ -64,6 +64,7 @@ class HostsRequest:
         self.hang_after = HANG_AFTER if hang_after is None else hang_after
         self.line = HangLine(notebook)
         self._news: dict[int, tuple[Any, float]] = {}  # host -> (its last news, when it came)
+        self._began = time.monotonic()
 
     def wait(self) -> list[Any]:
         """Every host's value, in host order, or the error that says what went wrong where."""
@@ -209,10 +210,10 @@ class HostsRequest:
         """Every host's live news into the record (each rank's state and place, for the panel), then the watchdog's
         judgement over every global rank, as one host's watch judges its own."""
         record = self.record
-        if record is None or self.stopping is not None:
-            return
-        changed = False
         now = time.monotonic()
+        if record is None or self.stopping is not None or now - self._began < QUIET_NEWS:
+            return  # the hosts send none this early: a quick cell never reads its calls' data
+        changed = False
         for index, call in enumerate(self.calls):
             news = (getattr(call, "data", None) or {}).get(NEWS)
             if not news or news.get("run") is None or self._news.get(index, (None,))[0] is news:
