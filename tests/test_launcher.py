@@ -27,7 +27,7 @@ from xla_magic.pools import policy
 from xla_magic.wire import protocol, transport
 from xla_magic.pools.interface import Cell
 from xla_magic.ranks import Ranks
-from xla_magic.run.request import Request
+from xla_magic.run import stopping
 from xla_magic.runner import plan
 from xla_magic.display import RankError, RunInterrupted
 
@@ -239,7 +239,7 @@ def test_another_interrupt_while_the_ranks_are_stopped_still_ends_the_run(ip):
 
     # The first press once the rank printed it all (it ignores SIGINT by then); the second once the kernel
     # is in the escalation that the first started.
-    pressed = interrupt_when(printed.is_set, then=lambda: main_thread_in(Request._escalate))
+    pressed = interrupt_when(printed.is_set, then=lambda: main_thread_in(stopping.escalate))
     with Listening(session, listener), capture_output() as captured, pytest.raises(KeyboardInterrupt) as info:
         ip.run_cell_magic("xla_spawn", "--devices 1", cell)
     assert pressed.is_set()
