@@ -70,8 +70,10 @@ class Request:
         on_update: Callable[[RunRecord], None] = lambda record: None,
         live_lines: bool = False,
         hang_after: float | None = None,
+        ask: rank_input.Ask | None = None,
     ) -> None:
         self.ranks = ranks
+        self.ask = ask  # how a rank's question is asked (rank_input.ask_here, or a host's link to the kernel)
         self.record = record
         self.seq = seq
         self.frame = frame  # None: it went with the ranks' job, or there is nothing to send (a start)
@@ -361,7 +363,8 @@ class Request:
         """A rank asks for a line (input(), pdb): asked here, in the cell's thread, after what it printed before."""
         self._drain([self.ranks.outputs[2 * rank], self.ranks.outputs[2 * rank + 1]])
         reply = rank_input.answer(self.ranks, self.record, self.output, rank, fields, on_update=self.on_update,
-                                  stopping=self.stop_reason is not None or self.watch.capturing)  # ^C: the cell's
+                                  stopping=self.stop_reason is not None or self.watch.capturing,  # ^C: the cell's
+                                  ask=self.ask)
         try:
             self.ranks.send(rank, protocol.encode(protocol.INPUT_REPLY, **reply))
         except OSError:

@@ -19,10 +19,11 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import stacks
-from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic import rank_input, stacks
+from xla_magic.display import DebuggerQuit, RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic.hosts import link
 from xla_magic.hosts.naming import RESTART, label
-from xla_magic.hosts.on_host import NEWS, HostOutcome
+from xla_magic.hosts.on_host import ASKED, NEWS, HostOutcome
 from xla_magic.record import RunRecord
 from xla_magic.watch import HANG_AFTER, HangLine, confirm_after
 
@@ -73,6 +74,7 @@ class HostsRequest:
                 self._collect()
                 self._show()
                 self._follow_news()
+                self._answer_questions()
                 if self.stopping is None and deadline is not None and time.monotonic() > deadline:
                     self._stop_hosts("timeout")
                 if self.stopping is None and self.record is not None and self.record.interrupt_requested:
@@ -90,6 +92,7 @@ class HostsRequest:
             if self.outcomes[index]["outcome"] != "lost":
                 call.wait_for_output(OUTPUT_PATIENCE)
         self._show(final=True)
+        self._drop_questions()
         self._keep_where(self.outcomes)
         for path in self.output.finish():
             print(f"(complete log: {path})")
@@ -217,6 +220,57 @@ class HostsRequest:
             self.history.notify(record)
             self._judge(now)
 
+    def _answer_questions(self) -> None:
+        """Each running host's ranks' questions (input(), pdb: hosts/link.py), one at a time, asked with the
+        kernel's own input as one host asks them (rank_input.py), tagged with the global rank."""
+        for index in range(len(self.calls)):
+            each = self.pool.links.get(index)
+            if each is None or index in self.outcomes:
+                continue
+            try:
+                frame = each.receive(0)
+                if frame is None or frame.get("kind") != link.ASK:
+                    continue
+                reply = self._ask(index, frame)
+                each.send(link.ANSWER, id=frame["id"], reply=reply)
+            except link.LinkError as exc:
+                self._lose_link(index, str(exc))
+
+    def _ask(self, index: int, question: dict[str, Any]) -> dict[str, Any]:
+        if self.stopping is not None:
+            return {"eof": rank_input.STOPPING.format(what=question["what"], who=question["who"])}
+        call = self.calls[index]
+        patience = time.monotonic() + OUTPUT_PATIENCE  # what the host's ranks printed before they asked comes first
+        while (getattr(call, "data", None) or {}).get(ASKED, 0) < question["id"] and time.monotonic() < patience:
+            call.wait(0.005)
+        self._show()
+        state = self.record.ranks.get(question["rank"]) if self.record is not None else None
+        before = state.where if state is not None else ""
+        if state is not None:  # the panel's "where" at once (the host's news says the same, later)
+            state.where = rank_input.where_at(question["why"], question["line"])
+            self.history.notify(self.record)
+        reply = rank_input.ask_here(question)
+        if state is not None and "text" in reply:
+            state.where = before
+        return reply
+
+    def _lose_link(self, index: int, why: str) -> None:
+        """A host whose link broke or lied is lost, as a host whose engine died."""
+        if self.stopping is None:
+            self._stop_hosts("failure")
+        self.outcomes[index] = {"outcome": "lost", "message": f"its link to the kernel was lost ({why})"}
+        self._broke(f"the link of host h{index} ({self.pool.hosts[index]}) to the kernel was lost ({why})")
+
+    def _drop_questions(self) -> None:
+        """Questions of calls that have ended (asked as a host was stopped): nobody waits for their answers."""
+        for index in range(len(self.calls)):
+            each = self.pool.links.get(index)
+            try:
+                while each is not None and self.outcomes[index]["outcome"] != "lost" and each.receive(0) is not None:
+                    pass
+            except link.LinkError as exc:
+                self._broke(f"the link of host h{index} ({self.pool.hosts[index]}) to the kernel was lost ({exc})")
+
     def _judge(self, now: float) -> None:
         where: dict[int, dict[str, Any]] = {}
         waited: dict[int, float] = {}
@@ -303,8 +357,13 @@ class HostsRequest:
         summary = "; ".join(parts) + f"; {self._pool_note()}"
         if not failures:  # nothing with a traceback: say it as one failure of the first host that went wrong
             failures = [RankFailure(-1, "HostFailure", summary)]
-        return RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
-                         where=self._where(outcomes))
+        if all(failure.type == "BdbQuit" for failure in failures):  # pdb quit (q); the host said where
+            return DebuggerQuit(failures, self._results(outcomes), summary, label=_failure_label(devices))
+        error = RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
+                          where=self._where(outcomes))
+        error.debuggable = [index * devices + local for index, outcome in enumerate(outcomes)
+                            for local in outcome.get("debuggable", ())]
+        return error
 
     def _merged_stacks(self, outcomes: list[Any]) -> tuple[dict[int, dict[str, Any]], str]:
         merged: dict[int, dict[str, Any]] = {}
