@@ -12,7 +12,7 @@ its prompt through the kernel's input (rank_input.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
@@ -21,7 +21,6 @@ from xla_magic.wire import protocol
 
 if TYPE_CHECKING:
     from xla_magic.ranks import Ranks
-    from xla_magic.runner import Runner
 
 NOT_KEPT = ("no rank of that cell kept its frames: a rank keeps them for %debug until its next cell, a one-shot "
             "rank until the next cell or until the debugger is left; one-shot ranks that are threads of one process "
@@ -68,7 +67,7 @@ class PostMortem:
         what = f" ({failure.headline()})" if failure is not None else ""
         return f"%debug: {self.name(rank)} of cell {self.run_id}, in the frame where it failed{what}"
 
-    def open(self, runner: Runner, rank: int) -> None:
+    def open(self, runner: Any, rank: int) -> None:
         """pdb in ``rank``'s kept frames: a DEBUG request, followed until the debugger is left."""
         runner.exchange(self.ranks, protocol.DEBUG, f"%debug (rank {rank} of cell {self.run_id})", [rank], False)
 

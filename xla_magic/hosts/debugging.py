@@ -10,13 +10,10 @@ call (hosts/request.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from xla_magic.display import RankError
 from xla_magic.post_mortem import PostMortem
-
-if TYPE_CHECKING:
-    from xla_magic.runner import Runner
 
 
 class HostsPostMortem(PostMortem):
@@ -32,5 +29,5 @@ class HostsPostMortem(PostMortem):
         self.parked = False  # pool ranks: they drop the frames at their next request
         self.error = error
 
-    def open(self, runner: Runner, rank: int) -> None:
+    def open(self, runner: Any, rank: int) -> None:
         self.pool.debug(rank, self.run_id)
