@@ -6,6 +6,7 @@ person typing: tests/test_debugger.py's Terminal)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -15,7 +16,8 @@ import time
 import pytest
 from IPython.utils.capture import capture_output
 
-from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
+from helpers import Kernel, pool_magic
+from tests.hosts_fixtures import hosts, pool, pool_of_the_module, start_line, wait_until_empty  # noqa: F401
 from tests.test_debugger import Terminal
 from xla_magic import widget
 from xla_magic.display import RankError, RunInterrupted
@@ -81,8 +83,10 @@ def test_debug_after_a_cell_fails_on_h1_r2_opens_that_ranks_frame(ip, pool, monk
     with capture_output() as shown:
         ip.run_cell("%debug")
     text = shown.stdout
-    assert "%debug: rank h1 r2 of cell" in text and "in the frame where it failed (KeyError: 'b')" in text, text
-    assert "[h1 r2] -> found = table[key]\n" in text
+    cell = re.search(r"%debug: rank h1 r2 of cell (\d+), in the frame where it failed \(KeyError: 'b'\)", text)
+    assert cell is not None, text
+    assert f'File "<xla_spawn cell {cell[1]}>", line 3, in lookup' in failed.stdout  # the cell the kernel numbered
+    assert f"[h1 r2] > <xla_spawn cell {cell[1]}>(3)lookup()\n[h1 r2] -> found = table[key]\n" in text
     assert "[h1 r2] 'b'\n" in text and "[h1 r2] {'a': 4}\n" in text  # h1 r2's own key and table
     assert "[h1 r2] 4\n" in text  # up: its scale
     assert terminal.prompts == ["[h1 r2] (Pdb) "] * 5
@@ -153,3 +157,38 @@ def test_the_link_refuses_a_wrong_token_and_a_replayed_frame():
     engine_end.close()
     with pytest.raises(ValueError):
         link.Listener("0.0.0.0")
+
+
+def test_a_notebook_answers_ranks_on_both_hosts_in_its_input_box(ip, hosts, pool_of_the_module):
+    # A real Jupyter kernel running the pool: each prompt is an input_request answered as a frontend answers it.
+    pool_magic(ip, "stop")  # one pool on the module's hosts at a time: the kernel's now
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        content, text = kernel.run(f"%xla_pool {start_line(hosts)}")
+        assert content["status"] == "ok" and "pool ready" in text, text
+        typed = {"[h1 r3] name: ": "Ada", "[h0 r0] token? ": "s3cret"}
+        content, text = kernel.run("%%xla_spawn\n"
+                                   "import getpass\n"
+                                   "answer = None\n"
+                                   "if rank == 3:\n"
+                                   "    answer = input('name: ')\n"
+                                   "elif rank == 0:\n"
+                                   "    answer = str(len(getpass.getpass('token? ')))\n"
+                                   "answer", on_prompt=lambda k, prompt: k.client.input(typed[prompt]))
+        assert content["status"] == "ok", text
+        assert sorted(kernel.prompts) == [("[h0 r0] token? ", True), ("[h1 r3] name: ", False)]
+        assert "['6', None, None, 'Ada']" in text and "s3cret" not in text
+        kernel.prompts.clear()
+        content, text = kernel.run("%%xla_spawn\nvalue = rank\nif rank == 2:\n    value = input('wait? ')\nvalue",
+                                   on_prompt=lambda k, prompt: k.manager.interrupt_kernel())
+        assert kernel.prompts == [("[h1 r2] wait? ", False)]
+        assert content["status"] == "error" and content["ename"] == "RunInterrupted", text
+        assert "the pool keeps its ranks" in text, text
+        content, text = kernel.run("%%xla_spawn\nvalue")
+        assert content["status"] == "ok" and "[0, 1, 2, 3]" in text, text
+        content, text = kernel.run("%xla_pool stop")
+        assert content["status"] == "ok", text
+    finally:
+        kernel.close()
+    assert wait_until_empty(hosts) == {}

@@ -213,12 +213,15 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
 
 
 def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-             kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None) -> HostOutcome:
+             kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None,
+             run_id: int | None = None) -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
     The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
-    changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer."""
+    changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer.
+    ``run_id``: the kernel's number of the cell, which names it here too (``<xla_spawn cell N>``)."""
     here = _require()
+    _number(here, run_id)
     values = _take(here, sent, names)
     cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after)
     return _profiled(here, cell, lambda: _pool(here).run_cell(cell))
@@ -226,14 +229,21 @@ def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeou
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
               kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False,
-              hang_after: float | None = None) -> HostOutcome:
+              hang_after: float | None = None, run_id: int | None = None) -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
+    _number(here, run_id)
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
                 place=kernel_place, profile=profile, hang_after=hang_after)
     return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
+
+
+def _number(here: Here, run_id: int | None) -> None:
+    """The next run here is the kernel's ``run_id``: a traceback's ``<xla_spawn cell N>`` is the cell the kernel says."""
+    if run_id is not None:
+        here.runs.run_count = run_id - 1
 
 
 def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:

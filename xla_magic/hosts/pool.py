@@ -348,19 +348,20 @@ class HostsPool:
         # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
         here = place.current(place.environment_changes(self.base_environment))
         hang_after = cell.hang_after or self.hang_after
+        run_id = self.runner.history.next_run_id()  # the hosts name the cell by it too: <xla_spawn cell N>
         if cell.fresh:
             devices = cell.devices or self.devices
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
-                 cell.profile, hang_after) for index, world in enumerate(worlds)])
+                 cell.profile, hang_after, run_id) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
-                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after)
-                for index in range(len(self.hosts))])
-        record = self._record(cell.source, devices)
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after,
+                 run_id) for index in range(len(self.hosts))])
+        record = self._record(cell.source, devices, run_id)
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
                                notebook=cell.live_lines or self.live_lines)
         try:
@@ -430,10 +431,10 @@ class HostsPool:
             if self.state == "running":
                 self.state = "ready"
 
-    def _record(self, label: str, devices: int) -> RunRecord:
+    def _record(self, label: str, devices: int, run_id: int | None = None) -> RunRecord:
         """A run of every global rank in the session's history: the panel shows it, and can interrupt it."""
         history = self.runner.history
-        record = RunRecord(history.next_run_id(), label, self.backend, devices * len(self.hosts))
+        record = RunRecord(run_id or history.next_run_id(), label, self.backend, devices * len(self.hosts))
         record.ranks = {rank: RankState(state="running", pid=self.pids.get(rank))
                         for rank in range(devices * len(self.hosts))}
         history.remember(record)
