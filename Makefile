@@ -22,7 +22,7 @@ bench: setup
 
 # The documentation site (mkdocs.yml), strict: a broken link, a missing page or a
 # stale generated page fails. Into build/site (git-ignored); `mkdocs serve` to browse.
-docs:
+docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 # Each notebook written from its jupytext script (notebooks/*.py), the quickstart run to keep its outputs.

@@ -149,12 +149,12 @@ class LocalPool:
         if rank is not None and ranks.one_value:
             raise UsageError("an SPMD pool is one process, so its value has no --rank: leave --rank out")
         check_rank(rank, ranks.devices, "the pool")
-        request = self.runner.exchange(ranks, protocol.PULL, f"%xla_pool pull {name}",
+        results = self.runner.exchange(ranks, protocol.PULL, f"%xla_pool pull {name}",
                                        None if rank is None else [rank], True, name=name,
                                        results_to=ranks.results.prefix)
         if rank is not None:
-            return request.results.get(rank)
-        return ranks.value([request.results.get(r) for r in range(ranks.size)])
+            return results[rank]
+        return ranks.value(results)
 
     # -- the pool's life -------------------------------------------------------------
 

@@ -191,7 +191,10 @@ class Request:
         self._finish("done")
         if not self.has_result:
             return None
-        return [self.results.get(rank) for rank in range(self.ranks.size)]
+        # Handed over, not kept: a finished request may live on in reference
+        # cycles, and a result's memory must go when the notebook drops it.
+        results, self.results = self.results, {}
+        return [results.get(rank) for rank in range(self.ranks.size)]
 
     def _after(self) -> None:
         """However the request ended: the output it left, its untaken results, the set's state."""

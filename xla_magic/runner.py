@@ -189,8 +189,8 @@ class Runner:
             raise
 
     def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
-                 **fields: Any) -> Request:
-        """A push, a pull or a DEBUG to ``ranks``, followed to the end."""
+                 **fields: Any) -> list[Any] | None:
+        """A push, a pull or a DEBUG to ``ranks``, followed to the end: the results by rank (None for a push)."""
         if kind != protocol.DEBUG:
             self.release_post_mortem()  # the ranks drop a failed cell's frames at any other request
         seq = ranks.next_seq()
@@ -198,8 +198,7 @@ class Runner:
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
                           has_result=has_result, targets=targets, on_update=self.history.notify, ask=self.ask)
         request.start()
-        request.wait()
-        return request
+        return request.wait()
 
     def debug(self, rank: int | None = None, error: RankError | None = None) -> None:
         """``%debug`` / ``%xla_debug``: pdb in the failed cell's frame on ``rank`` (the first failure), until left.

@@ -62,7 +62,8 @@ def _import_runtime() -> dict[str, str]:
 
     shell.warm()  # each rank's IPython shell then costs milliseconds, when a cell first uses it
 
-    return {"torch": torch.__version__, "torch_xla": torch_xla.__version__}
+    # Plain str: torch.__version__ is a TorchVersion, whose unpickling would import torch into the kernel.
+    return {"torch": str(torch.__version__), "torch_xla": str(torch_xla.__version__)}
 
 
 def serve(channel: protocol.Channel) -> None:
