@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 NOT_KEPT = ("no rank of that cell kept its frames: a rank keeps them for %debug until its next cell, a one-shot "
             "rank until the next cell or until the debugger is left; one-shot ranks that are threads of one process "
-            "(the tpu launch path) leave with their cell, so run it in a pool (%xla_pool start) to debug it; a pool "
-            "across hosts does not keep them yet")
+            "(the tpu launch path) leave with their cell, so run it in a pool (%xla_pool start) to debug it; a --fresh "
+            "cell across hosts does not keep them: run it in the pool across hosts to debug it")
 
 
 class PostMortem:
