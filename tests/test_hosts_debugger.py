@@ -52,19 +52,21 @@ def test_breakpoint_on_h1_r2_p_and_c_while_the_panel_says_in_the_debugger(ip, po
     terminal = Terminal({"[h1 r2] (Pdb) ": ["p step", "p rank", "c"]}, before_each=look)
     monkeypatch.setattr(sys, "stdin", terminal)
     with capture_output() as shown:
-        value = ip.run_cell_magic("xla_spawn", "--hang-after 0.5", "step = rank + 3\n"
+        value = ip.run_cell_magic("xla_spawn", "--hang-after 0.5", "import torch_xla.core.xla_model as xm\n"
+                                  "step = rank + 3\n"
                                   "if rank == 2:\n"
                                   "    breakpoint()\n"
                                   "    step += 10\n"
+                                  "xm.rendezvous('after')\n"
                                   "step")
     assert value == [3, 4, 15, 6]
     assert "[h1 r2] -> step += 10\n" in shown.stdout
     assert "[h1 r2] 5\n" in shown.stdout and "[h1 r2] 2\n" in shown.stdout  # h1 r2's own step and rank
     assert terminal.prompts == ["[h1 r2] (Pdb) "] * 3
-    assert [where for where, _ in seen] == ["in the debugger (line 4)"] * 3
-    assert '<td class="xla-where">in the debugger (line 4)</td>' in seen[0][1]
+    assert [where for where, _ in seen] == ["in the debugger (line 5)"] * 3
+    assert '<td class="xla-where">in the debugger (line 5)</td>' in seen[0][1]
     assert "xla_magic:" not in shown.stdout  # no hang line while the user is at the prompt
-    assert session.history[-1].ranks[2].where != "in the debugger (line 4)"  # answered: it moved on
+    assert session.history[-1].ranks[2].where != "in the debugger (line 5)"  # answered: it moved on
 
 
 def test_debug_after_a_cell_fails_on_h1_r2_opens_that_ranks_frame(ip, pool, monkeypatch):
@@ -157,6 +159,18 @@ def test_the_link_refuses_a_wrong_token_and_a_replayed_frame():
     engine_end.close()
     with pytest.raises(ValueError):
         link.Listener("0.0.0.0")
+
+
+def test_a_lost_link_is_a_lost_host_and_the_pool_says_it_is_broken(ip, pool):
+    kernel_end = pool.links[1]
+    kernel_end.sock.shutdown(socket.SHUT_RDWR)  # as a network that drops the connection: each end reads its end
+    with capture_output(), pytest.raises(RankError) as failed:
+        ip.run_cell_magic("xla_spawn", "", "if rank == 3:\n    input('anyone? ')\nrank")
+    assert pool.state == "broken" and "the link of host h1" in pool.problem and "to the kernel was lost" in pool.problem
+    assert "the pool is broken" in str(failed.value), failed.value
+    with capture_output() as refused:
+        ip.run_cell("%%xla_spawn\nrank")
+    assert "the pool across hosts is broken" in refused.stdout + refused.stderr
 
 
 def test_a_notebook_answers_ranks_on_both_hosts_in_its_input_box(ip, hosts, pool_of_the_module):
