@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 from IPython.utils.capture import capture_output
 
@@ -39,6 +40,10 @@ def test_input_on_h1_r3_is_asked_with_the_kernels_input_tagged_with_its_global_r
     assert value == [None, None, None, "Ada"]
     assert terminal.prompts == ["[h1 r3] name: "]  # one prompt, after what the rank printed before it
     assert shown.stdout.index("[h1 r3] asking\n") < shown.stdout.index("[h1 r3] name: ")
+    # The hosts linked when the pool started; nothing of the kernel's listens for them now.
+    assert len(pool.links) == 2
+    listening = [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert [laddr for laddr in listening if laddr.ip == pool.address] == []
 
 
 def test_breakpoint_on_h1_r2_p_and_c_while_the_panel_says_in_the_debugger(ip, pool, monkeypatch):
@@ -121,17 +126,18 @@ def test_an_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_pool(ip, pool, m
 
 
 def test_the_link_refuses_a_wrong_token_and_a_replayed_frame():
-    listener = link.Listener("127.0.0.1")
-    good = dict(listener.ticket())
-    wrong = dict(good, token=bytes(32).hex())
+    key = os.urandom(32)  # the cluster's key, which the kernel and each engine hold
+    listener = link.Listener("127.0.0.1", key)
+    ticket = listener.ticket()
+    assert listener.token.hex() not in str(ticket) and key.hex() not in str(ticket)  # what travels holds neither
     engine_said: dict[str, object] = {}
 
     def engines() -> None:
         try:
-            link.connect(wrong, 0)
+            link.connect(ticket, 0, os.urandom(32))  # another cluster's key: another token
         except link.LinkError as exc:
             engine_said["wrong"] = str(exc)
-        engine_said["good"] = link.connect(good, 0)
+        engine_said["good"] = link.connect(ticket, 0, key)
 
     connecting = threading.Thread(target=engines)
     connecting.start()
@@ -158,7 +164,7 @@ def test_the_link_refuses_a_wrong_token_and_a_replayed_frame():
     kernel_end.close()
     engine_end.close()
     with pytest.raises(ValueError):
-        link.Listener("0.0.0.0")
+        link.Listener("0.0.0.0", key)
 
 
 def test_a_lost_link_is_a_lost_host_and_the_pool_says_it_is_broken(ip, pool):

@@ -9,7 +9,10 @@ link lives as long as the engine and the cluster, and a pool that starts
 anew makes new ones. Each engine connects once and proves it holds the
 pool's fresh token (challenge-response: the kernel sends a nonce, the
 engine answers HMAC-SHA256(token, nonce + host index)), and the kernel
-proves it holds it too. Every later frame carries a counter and an HMAC
+proves it holds it too. The token itself never travels: each end derives it
+from a random salt (which does) and a secret both already hold, the
+cluster's key (which came to each engine on its stdin, through the launch
+command), since ipyparallel's own messages are signed but not encrypted. Every later frame carries a counter and an HMAC
 under a key of that link alone, so that nothing else on the network can
 inject, alter or replay one. A link that breaks or says anything it should
 not is lost, and its host with it.
@@ -45,6 +48,13 @@ class LinkError(Exception):
 
 def _mac(key: bytes, data: bytes) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def token(secret: bytes, salt: bytes) -> bytes:
+    """The pool's token: from ``secret`` (the cluster's key) and this pool's ``salt``."""
+    if not secret:
+        raise LinkError("no secret to make the link's token from (the cluster has no key)")
+    return _mac(secret, b"xla_magic link " + salt)
 
 
 def _proofs(token: bytes, nonce: bytes, index: int) -> tuple[bytes, bytes, bytes]:
@@ -141,19 +151,21 @@ def _read_exactly(sock: socket.socket, count: int, deadline: float) -> bytes:
 
 
 class Listener:
-    """The kernel's end while the hosts link: a TCP listener on ``address``, port 0, and the pool's token."""
+    """The kernel's end while the hosts link: a TCP listener on ``address``, port 0, and the pool's token, made
+    from ``secret`` (the cluster's key) and a fresh salt."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes) -> None:
         if address in ("", "0.0.0.0", "::"):
             raise ValueError("the link listens on the kernel's address toward the hosts, not on every interface")
-        self.token = secrets.token_bytes(32)
+        self.salt = secrets.token_bytes(32)
+        self.token = token(secret, self.salt)
         self.sock = socket.create_server((address, 0))
         self.address, self.port = self.sock.getsockname()[:2]
         self.refused: list[str] = []  # connections that did not prove the token: who, and why
 
     def ticket(self) -> dict[str, Any]:
-        """What an engine needs to link: where, and the token (it travels with ipyparallel's signed call)."""
-        return {"address": self.address, "port": self.port, "token": self.token.hex()}
+        """What an engine needs to link, but the secret it holds already: where, and the salt."""
+        return {"address": self.address, "port": self.port, "salt": self.salt.hex()}
 
     def accept(self, hosts: int, timeout: float, problem: Callable[[], str | None] = lambda: None) -> dict[int, Link]:
         """A link from each of ``hosts`` engines, by host index; LinkError when they are not all there in time or
@@ -204,9 +216,10 @@ class Listener:
         self.sock.close()
 
 
-def connect(ticket: dict[str, Any], index: int, timeout: float = GREET_TIMEOUT) -> Link:
-    """The engine's end: connect to the kernel the ``ticket`` names, as host ``index``, and prove the token."""
-    token = bytes.fromhex(ticket["token"])
+def connect(ticket: dict[str, Any], index: int, secret: bytes, timeout: float = GREET_TIMEOUT) -> Link:
+    """The engine's end: connect to the kernel the ``ticket`` names, as host ``index``, and prove the token
+    made from ``secret`` (the cluster's key)."""
+    made = token(secret, bytes.fromhex(ticket["salt"]))
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((ticket["address"], ticket["port"]), timeout=timeout)
@@ -215,7 +228,7 @@ def connect(ticket: dict[str, Any], index: int, timeout: float = GREET_TIMEOUT) 
     try:
         sock.sendall(_INDEX.pack(index))
         nonce = _read_exactly(sock, NONCE, deadline)
-        engine_proof, kernel_proof, key = _proofs(token, nonce, index)
+        engine_proof, kernel_proof, key = _proofs(made, nonce, index)
         sock.sendall(engine_proof)
         if not hmac.compare_digest(_read_exactly(sock, MAC, deadline), kernel_proof):
             raise LinkError("the other end does not hold the pool's token: it is not this pool's kernel")

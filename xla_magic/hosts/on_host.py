@@ -142,11 +142,20 @@ def link(ticket: dict[str, Any], index: int) -> HostOutcome:
         if old is not None:
             old.close()
         try:
-            _link = kernel_link.connect(ticket, index)
+            _link = kernel_link.connect(ticket, index, _cluster_key())
         except kernel_link.LinkError as exc:
             raise UsageError(f"this host could not link to the kernel: {exc}") from None
 
     return _outcome(connect)
+
+
+def _cluster_key() -> bytes:
+    """The cluster's key, as this engine got it on its stdin (hosts/engine.py): the link's token is made from it."""
+    from ipyparallel.engine.app import IPEngine
+
+    if not IPEngine.initialized():
+        raise UsageError("this is not an ipyparallel engine, so it holds no cluster key to link to the kernel with")
+    return bytes(IPEngine.instance().session.key)
 
 
 def _ask_kernel(question: dict[str, Any]) -> dict[str, Any]:

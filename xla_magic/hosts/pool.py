@@ -188,8 +188,9 @@ class HostsPool:
     def _link_hosts(self) -> None:
         """Each engine's link to the kernel (hosts/link.py), made once with the cluster: a restart keeps it.
 
-        The listener is on the kernel's address toward the hosts, and closed once every host is linked."""
-        listener = link.Listener(self.address)
+        The listener is on the kernel's address toward the hosts, and closed once every host is linked; the
+        token is made from the cluster's key, which each engine holds already, and never travels."""
+        listener = link.Listener(self.address, bytes(self.client.session.key))
         try:
             calls = [self.client[engine].apply_async(on_host.link, listener.ticket(), index)
                      for index, engine in enumerate(self.engines)]
