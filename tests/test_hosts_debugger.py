@@ -21,7 +21,7 @@ from helpers import Kernel, pool_magic
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module, start_line, wait_until_empty  # noqa: F401
 from tests.test_debugger import Terminal
 from xla_magic import widget
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.display import DebuggerQuit, RankError, RunInterrupted
 from xla_magic.hosts import link
 
 HOSTS_TAG = 6  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
@@ -72,6 +72,16 @@ def test_breakpoint_on_h1_r2_p_and_c_while_the_panel_says_in_the_debugger(ip, po
     assert '<td class="xla-where">in the debugger (line 5)</td>' in seen[0][1]
     assert "xla_magic:" not in shown.stdout  # no hang line while the user is at the prompt
     assert session.history[-1].ranks[2].where != "in the debugger (line 5)"  # answered: it moved on
+
+
+def test_pdb_quit_on_a_host_ends_the_cell_as_ipython_does_and_the_pool_keeps_its_names(ip, pool, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", Terminal({"[h0 r1] (Pdb) ": ["q"]}))
+    with capture_output() as shown, pytest.raises(DebuggerQuit):  # a BdbQuit, which IPython takes silently
+        ip.run_cell_magic("xla_spawn", "", "kept = rank * 7\nif rank == 1:\n    breakpoint()\n    kept = -1\nkept")
+    assert "[h0 r1] the debugger was quit at line 4: the cell stopped there" in shown.stdout, shown.stdout
+    assert "Traceback" not in shown.stdout
+    with capture_output():
+        assert ip.run_cell_magic("xla_spawn", "", "kept") == [0, 7, 14, 21]
 
 
 def test_debug_after_a_cell_fails_on_h1_r2_opens_that_ranks_frame(ip, pool, monkeypatch):
