@@ -22,11 +22,12 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
-from xla_magic import launcher_client, policy
+from xla_magic import launcher_client
+from xla_magic.pools import policy
 from xla_magic.wire import protocol, transport
-from xla_magic.pool import Cell
+from xla_magic.pools.interface import Cell
 from xla_magic.ranks import Ranks
-from xla_magic.request import Request
+from xla_magic.run.request import Request
 from xla_magic.runner import plan
 from xla_magic.display import RankError, RunInterrupted
 

@@ -27,7 +27,7 @@ from xla_magic import frame_writer
 from xla_magic.wire import transport
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
 from xla_magic.ranks import Ranks
-from xla_magic.request import Request
+from xla_magic.run.request import Request
 
 
 def pool_pids(ip) -> set[int]:

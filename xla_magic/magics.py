@@ -19,10 +19,10 @@ from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_
 from xla_magic.display import RankError, in_notebook, syntax_error_in_cell
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
-from xla_magic.pool import PoolOptions
+from xla_magic.pools.interface import PoolOptions
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
-from xla_magic.watch import HANG_AFTER
+from xla_magic.run.watch import HANG_AFTER
 
 
 def device_count(text: str) -> int:

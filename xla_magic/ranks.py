@@ -41,7 +41,7 @@ from xla_magic import compile_cache, frame_writer, probe, sharding
 from xla_magic.wire import protocol, transport
 from xla_magic.hosts import naming
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
-from xla_magic.policy import RESTART_HINT, Policy
+from xla_magic.pools.policy import RESTART_HINT, Policy
 from xla_magic.shipping import Shipping
 from xla_magic.troubleshooting import see
 

@@ -17,16 +17,16 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import (compile_cache, payload, place, policy, post_mortem, probe, profile_view, rank_input, sharding,
-                       xla_report)
+from xla_magic import compile_cache, payload, place, post_mortem, probe, profile_view, rank_input, sharding, xla_report
+from xla_magic.pools import policy
 from xla_magic.wire import protocol
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
-from xla_magic.pool import Cell
+from xla_magic.pools.interface import Cell
 from xla_magic.ranks import Ranks
 from xla_magic.record import RunRecord
-from xla_magic.request import Request
+from xla_magic.run.request import Request
 
 
 def plan(

@@ -5,7 +5,7 @@ recent runs and who hears of them: history.py), this host's runner (the
 launcher and the private directory: runner.py) and at most one pool. A
 cell goes to the pool while one runs (unless ``--fresh``), else to ranks
 spawned for it alone. The session never asks which kind of pool it holds
-(:class:`~xla_magic.pool.Pool`: on this host, or across hosts); only
+(:class:`~xla_magic.pools.interface.Pool`: on this host, or across hosts); only
 ``%xla_pool start`` chooses, from its options, in :meth:`Session.start_pool`.
 """
 
@@ -15,12 +15,13 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import sharding, watch
+from xla_magic import sharding
+from xla_magic.run import watch
 from xla_magic.compile_cache import CacheSetting
 from xla_magic.history import History
-from xla_magic.hosts.pool import HostsPool
-from xla_magic.local_pool import LocalPool
-from xla_magic.pool import Cell, Pool, PoolOptions
+from xla_magic.pools.across_hosts import HostsPool
+from xla_magic.pools.this_host import LocalPool
+from xla_magic.pools.interface import Cell, Pool, PoolOptions
 from xla_magic.record import RunRecord
 from xla_magic.runner import Runner, plan, refuse_if_kernel_holds_devices
 

@@ -29,7 +29,7 @@ from IPython.core.error import UsageError
 from xla_magic import compile_cache, probe, xla_report
 from xla_magic.display import in_notebook
 from xla_magic.launcher_client import Launcher
-from xla_magic.pool import Pool
+from xla_magic.pools.interface import Pool
 from xla_magic.record import RankState, RunRecord
 from xla_magic.session import Session
 

@@ -3,7 +3,7 @@
 The kernel calls these functions on every engine at once (``DirectView.apply``).
 Each host runs this package's own single-host machinery: a
 :class:`~xla_magic.runner.Runner` (launcher, private directory) and a
-:class:`~xla_magic.local_pool.LocalPool`, told which part of the world it is
+:class:`~xla_magic.pools.this_host.LocalPool`, told which part of the world it is
 (global rank offset, world size, the TCP store on host 0). It knows nothing
 of the kernel's session. Its output goes to the engine's stdout, tagged
 ``[hH rN]``, which ipyparallel streams to the kernel; every call answers with
@@ -25,13 +25,13 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
-from xla_magic import watch
+from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
 from xla_magic.hosts import link as kernel_link
 from xla_magic.hosts import profiles
-from xla_magic.local_pool import LocalPool
-from xla_magic.pool import Cell, PoolOptions
+from xla_magic.pools.this_host import LocalPool
+from xla_magic.pools.interface import Cell, PoolOptions
 from xla_magic.record import RunRecord
 from xla_magic.runner import Runner, plan
 from xla_magic.wire import protocol
@@ -39,6 +39,7 @@ from xla_magic.wire import protocol
 
 NEWS = "xla_magic"  # the key of a host's live news in its call's ipyparallel data
 ASKED = "xla_magic_asked"  # the key of the last question's id, sent after the output before it (hosts/link.py)
+QUIET_NEWS = 0.25  # s: a running cell's news start this long after it began (a trivial cell's never go)
 
 
 class HostFailure(TypedDict):
@@ -86,6 +87,8 @@ class Here:
         Sent as ipyparallel data (``publish_data``) on the engine's IOPub while the call runs: the engine
         answers nothing else until the call ends. Never raises: it is a listener."""
         try:
+            if record.outcome != "running" or (not record.stacks and time.time() - record.started < QUIET_NEWS):
+                return  # its end comes as the call's answer; a cell this short has no news for the panel yet
             news = {"run": record.run_id, "ranks": {rank: (state.state, state.where)
                                                     for rank, state in record.ranks.items()},
                     "stacks": dict(record.stacks), "since": dict(record.arrived)}

@@ -1,8 +1,8 @@
 """What every pool answers, on one host or across several. Runs in the kernel (and in each host's engine).
 
-A pool on one host (:class:`~xla_magic.local_pool.LocalPool`: ranks kept
+A pool on one host (:class:`~xla_magic.pools.this_host.LocalPool`: ranks kept
 between cells) and a pool across hosts
-(:class:`~xla_magic.hosts.pool.HostsPool`: one engine per host, each
+(:class:`~xla_magic.pools.across_hosts.HostsPool`: one engine per host, each
 running a local pool) are two kinds of one thing. The session holds one
 :class:`Pool` and never asks which kind it is; what a cell or a start asks
 for travels as a :class:`Cell` or :class:`PoolOptions`.

@@ -5,7 +5,7 @@ on this machine's address toward the hosts, with ipyparallel's key), one
 engine per host through the launch template, and in each engine that
 host's own launcher and pool ranks (``hosts.on_host``), as one world:
 global ranks are numbered host by host. Cells then go to every host at once
-and are followed by :class:`~xla_magic.hosts.request.HostsRequest`.
+and are followed by :class:`~xla_magic.run.across_hosts.HostsRequest`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from xla_magic.hosts import discovery, link, on_host, profiles
 from xla_magic.hosts.debugging import HostsPostMortem
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 from xla_magic.hosts.naming import RESTART, label
-from xla_magic.hosts.request import HostsRequest
+from xla_magic.run.across_hosts import HostsRequest
 from xla_magic.hosts.shipping import HostShipping
-from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
+from xla_magic.pools.interface import Cell, PoolOptions, check_names, check_rank
 from xla_magic.record import RankState, RunRecord
 from xla_magic.runner import Runner, user_values
 
@@ -44,7 +44,7 @@ WHERE_TIMEOUT = 30.0  # for a host to say where its ranks are now (each waits a 
 class HostsPool:
     """The kernel's handle on a pool across hosts: the cluster, its engines by host, the world.
 
-    A :class:`~xla_magic.pool.Pool`: its cells, pushes and pulls go to every
+    A :class:`~xla_magic.pools.interface.Pool`: its cells, pushes and pulls go to every
     host at once, each recorded in ``runner``'s history as one run of every
     global rank (the status panel's, whose Interrupt button stops it).
     """
@@ -137,21 +137,16 @@ class HostsPool:
         self.backend = options.backend or self.backend
         self.hang_after = options.hang_after or self.hang_after
         self.state, self.problem, self.cells, self.started = "starting", None, 0, time.time()
-        began = time.monotonic()
-        try:
-            self._start_ranks()
-        except BaseException:
-            self.stop()
-            raise
-        self.start_seconds = time.monotonic() - began
-        self.state = "ready"
+        self.start_all(with_cluster=False)
         return self
 
-    def start_all(self) -> None:
-        """The controller, an engine per host, then every host's ranks; on any failure nothing is left."""
+    def start_all(self, with_cluster: bool = True) -> None:
+        """The controller and an engine per host (unless the cluster is kept), then every host's ranks; on any
+        failure nothing is left."""
         began = time.monotonic()
         try:
-            self._start_cluster()
+            if with_cluster:
+                self._start_cluster()
             self._start_ranks()
         except BaseException:
             self.stop()

@@ -1,6 +1,6 @@
 """One request to every host of a pool across hosts, followed to the end. Runs in the kernel.
 
-As :class:`~xla_magic.request.Request` follows every rank, this follows
+As :class:`~xla_magic.run.request.Request` follows every rank, this follows
 every host's engine: it shows each host's output as it streams in (lines
 already tagged ``[hH rN]`` by the host), and when one host fails, is
 interrupted or loses its engine, it interrupts every other host (fail-fast
@@ -25,7 +25,7 @@ from xla_magic.hosts import link
 from xla_magic.hosts.naming import RESTART, label
 from xla_magic.hosts.on_host import ASKED, NEWS, HostOutcome
 from xla_magic.record import RunRecord
-from xla_magic.watch import HANG_AFTER, HangLine, confirm_after
+from xla_magic.run.watch import HANG_AFTER, HangLine, confirm_after
 
 OUTPUT_PATIENCE = 10.0  # for a host's output to catch up with its reply (ipyparallel sends them apart)
 STOP_PATIENCE = 60.0  # for hosts told to stop (SIGINT to their engines) to answer
@@ -143,13 +143,25 @@ class HostsRequest:
                 outcome = call.get()
             except Exception as exc:  # the engine died or could not run the call
                 outcome = {"outcome": "lost", "message": _engine_problem(exc)}
-                self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) "
-                                      f"{outcome['message']}")
+                self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) {outcome['message']}")
             self.outcomes[index] = outcome
+            if outcome["outcome"] == "ok":
+                self._host_done(index)
             if outcome.get("broken"):
                 self._broke(f"host h{index} ({self.pool.hosts[index]}): {outcome['broken']}")
             if outcome["outcome"] != "ok" and self.stopping is None:
                 self._stop_hosts("failure")
+
+    def _host_done(self, index: int) -> None:
+        """Every rank of a host that answered is done, for the panel, while the other hosts still run."""
+        record = self.record
+        if record is None:
+            return
+        for local in range(self.devices):
+            state = record.ranks.get(index * self.devices + local)
+            if state is not None and state.ended is None:
+                state.state, state.ended = "done", time.monotonic()
+        self.history.notify(record)
 
     def _show(self, final: bool = False) -> None:
         """The whole lines each host printed since last time, host by host (the rest once the call ended)."""

@@ -1,6 +1,6 @@
 """A pool on one host: ranks kept between cells. Runs in the kernel, and in each host's engine.
 
-:class:`LocalPool` is the :class:`~xla_magic.pool.Pool` of one host: one
+:class:`LocalPool` is the :class:`~xla_magic.pools.interface.Pool` of one host: one
 kept :class:`~xla_magic.ranks.Ranks` and the :class:`~xla_magic.runner.Runner`
 that runs its requests. On one of several hosts, an engine holds one with
 its part of the world; the kernel's pool across hosts drives those.
@@ -13,12 +13,14 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, policy, sharding, watch
+from xla_magic import compile_cache, payload, sharding
+from xla_magic.pools import policy
+from xla_magic.run import watch
 from xla_magic.wire import protocol, transport
 from xla_magic.launcher_client import READY_TIMEOUT
-from xla_magic.pool import Cell, PoolOptions, check_names, check_rank
+from xla_magic.pools.interface import Cell, PoolOptions, check_names, check_rank
 from xla_magic.ranks import Ranks
-from xla_magic.request import Request
+from xla_magic.run.request import Request
 from xla_magic.runner import Runner, plan
 
 
