@@ -65,6 +65,7 @@ class HostsRequest:
         self.hang_after = HANG_AFTER if hang_after is None else hang_after
         self.line = HangLine(notebook)
         self._news: dict[int, tuple[Any, float]] = {}  # host -> (its last news, when it came)
+        self.lost_links: dict[int, str] = {}  # host -> why its link to the kernel was lost (hosts/link.py)
 
     def wait(self) -> list[Any]:
         """Every host's value, in host order, or the error that says what went wrong where."""
@@ -237,7 +238,7 @@ class HostsRequest:
         kernel's own input as one host asks them (rank_input.py), tagged with the global rank."""
         for index in range(len(self.calls)):
             each = self.pool.links.get(index)
-            if each is None or index in self.outcomes:
+            if each is None or index in self.outcomes or index in self.lost_links:
                 continue
             try:
                 frame = each.receive(0)
@@ -267,21 +268,24 @@ class HostsRequest:
         return reply
 
     def _lose_link(self, index: int, why: str) -> None:
-        """A host whose link broke or lied is lost, as a host whose engine died."""
-        if self.stopping is None:
-            self._stop_hosts("failure")
-        self.outcomes[index] = {"outcome": "lost", "message": f"its link to the kernel was lost ({why})"}
-        self._broke(f"the link of host h{index} ({self.pool.hosts[index]}) to the kernel was lost ({why})")
+        """A host whose link broke or lied: the kernel hangs up. Its engine, if alive, says so to a rank that
+        asks (an EOFError); the pool is broken once the request is over (``_drop_questions``), as for a dead
+        engine, whose death ipyparallel names meanwhile (a killed engine's link breaks first)."""
+        self.pool.links[index].close()
+        self.lost_links.setdefault(index, why)
 
     def _drop_questions(self) -> None:
-        """Questions of calls that have ended (asked as a host was stopped): nobody waits for their answers."""
+        """Questions of calls that have ended (asked as a host was stopped): nobody waits for their answers.
+        Then every lost link breaks the pool, naming its host."""
         for index in range(len(self.calls)):
             each = self.pool.links.get(index)
             try:
-                while each is not None and self.outcomes[index]["outcome"] != "lost" and each.receive(0) is not None:
+                while each is not None and index not in self.lost_links and each.receive(0) is not None:
                     pass
             except link.LinkError as exc:
-                self._broke(f"the link of host h{index} ({self.pool.hosts[index]}) to the kernel was lost ({exc})")
+                self._lose_link(index, str(exc))
+        for index, why in sorted(self.lost_links.items()):
+            self._broke(f"the link of host h{index} ({self.pool.hosts[index]}) to the kernel was lost ({why})")
 
     def _judge(self, now: float) -> None:
         where: dict[int, dict[str, Any]] = {}
