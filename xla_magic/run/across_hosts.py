@@ -65,6 +65,7 @@ class HostsRequest:
         self.hang_after = HANG_AFTER if hang_after is None else hang_after
         self.line = HangLine(notebook)
         self._news: dict[int, tuple[Any, float]] = {}  # host -> (its last news, when it came)
+        self._answered: dict[int, str] = {}  # rank -> the prompt's "where" it left: a host's later news may still say it
         self.lost_links: dict[int, str] = {}  # host -> why its link to the kernel was lost (hosts/link.py)
 
     def wait(self) -> list[Any]:
@@ -226,7 +227,8 @@ class HostsRequest:
             for local, (state, where) in news["ranks"].items():
                 rank_state = record.ranks.get(index * self.devices + local)
                 if rank_state is not None and rank_state.ended is None:
-                    rank_state.state, rank_state.where = state, where
+                    stale = self._answered.get(index * self.devices + local) == where  # sent before the answer
+                    rank_state.state, rank_state.where = state, rank_state.where if stale else where
                     if state in ("done", "failed", "killed"):
                         rank_state.ended = now
         if changed:
@@ -259,12 +261,15 @@ class HostsRequest:
         self._show()
         state = self.record.ranks.get(question["rank"]) if self.record is not None else None
         before = state.where if state is not None else ""
+        at_prompt = rank_input.where_at(question["why"], question["line"])
+        self._answered.pop(question["rank"], None)
         if state is not None:  # the panel's "where" at once (the host's news says the same, later)
-            state.where = rank_input.where_at(question["why"], question["line"])
+            state.where = at_prompt
             self.history.notify(self.record)
         reply = rank_input.ask_here(question)
         if state is not None and "text" in reply:
             state.where = before
+            self._answered[question["rank"]] = at_prompt
         return reply
 
     def _lose_link(self, index: int, why: str) -> None:
