@@ -22,6 +22,15 @@ other round (so drift in the machine's load falls on all alike), as:
 - ``--profile`` (as in a notebook) and the profiler alone for a cell of ten
   times the steps: ten times the trace, which the kernel rebuilds and draws.
 
+Each cell is followed by an untimed cell that does nothing (SEPARATOR), so
+every kind follows the same cell. A pool's --profile cell returns at its ranks' replies; each rank then reads
+its trace and the kernel fills in the picture (or prints the text) once
+every reading came. A cell is timed until it returned, and also until its
+profile was complete (rows "until its picture was filled in"); the next
+cell starts only then, as the next ``%%xla_spawn`` would, so no rank's
+reading falls on another kind's cell. The sampler's period (10 ms) is
+measured against its former 5 ms (``XLA_MAGIC_PROFILE_LINES=5``).
+
 Figures: each kind's median cell, and the median over rounds of each
 round's ratio to the profiler alone (steadier than a ratio of medians on a
 loaded machine). Also the kernel process's own CPU time per cell (all its
@@ -103,7 +112,12 @@ LONG = "steps(100)"
 LONG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps(100)\nxp.stop_trace()"
 BIG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nbig_steps()\nxp.stop_trace()"
 PYTHON = "python_work()"
-NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines
+# Run untimed after every cell, so that each kind follows the same cell: a cell's time depends on the one before
+# it (a --profile cell took 81 ms after a cell that traced itself, 65 ms after another --profile cell, whose end
+# waited for its ranks' readings; the cell tracing itself took 66 ms), and without it each kind has other neighbours.
+SEPARATOR = "None"
+NO_LINES = "XLA_MAGIC_PROFILE_LINES"  # launcher/profiling.py's switch: "0", no sampled lines; a number, the period
+OLD_PERIOD_MS = 5  # the sampler's period before it became 10 ms
 
 Row = tuple[str, float, float, str, str]
 
@@ -111,13 +125,25 @@ Row = tuple[str, float, float, str, str]
 CPU: dict[str, list[float]] = {}  # the kernel's CPU seconds per cell, by kind, as measured
 
 
+COMPLETE: dict[str, list[float]] = {}  # by kind: seconds from the cell's start until its profile was complete
+_last_complete: list[float] = []
+
+
 def cell_time(shell: Any, line: str, cell: str) -> float:
+    """The cell's time, until it returned; a pool's profile is filled in after that (profile_view.after_cell):
+    its time until complete goes to _last_complete, and no cell starts before it is (as the next %%xla_spawn
+    waits for it), so the ranks' digests fall on no other kind's cell."""
     from IPython.utils.capture import capture_output
+
+    from xla_magic import profile_view
 
     with capture_output():
         started = time.perf_counter()
         shell.run_cell_magic("xla_spawn", line, cell)
-        return time.perf_counter() - started
+        returned = time.perf_counter()
+        profile_view.wait_drawn()
+        _last_complete[:] = [time.perf_counter() - started]
+        return returned - started
 
 
 @contextlib.contextmanager
@@ -134,8 +160,8 @@ def as_in_a_notebook() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def without_lines() -> Iterator[None]:
-    os.environ[NO_LINES] = "0"
+def without_lines(period: str = "0") -> Iterator[None]:
+    os.environ[NO_LINES] = period
     try:
         yield
     finally:
@@ -148,6 +174,9 @@ def run(shell: Any, kind: str) -> float:
     if kind in ("no lines", "python, no lines"):
         with without_lines():
             wall = cell_time(shell, "--profile", PROFILED if kind == "no lines" else PYTHON)
+    elif kind == "lines 5 ms":  # the sampler's former period, against its 10 ms now
+        with without_lines(str(OLD_PERIOD_MS)):
+            wall = cell_time(shell, "--profile", PROFILED)
     elif kind == "python":
         wall = cell_time(shell, "--profile", PYTHON)
     elif kind in ("notebook", "long"):
@@ -159,11 +188,12 @@ def run(shell: Any, kind: str) -> float:
                                   "big self": ("", BIG_SELF_TRACED), "big plain": ("", BIG),
                                   "long self": ("", LONG_SELF_TRACED)}[kind])
     CPU.setdefault(kind, []).append(time.process_time() - cpu)
+    COMPLETE.setdefault(kind, []).append(_last_complete[0])
     return wall
 
 
-KINDS = ("notebook", "terminal", "self", "plain", "no lines", "python", "python, no lines", "big", "big self",
-         "big plain", "long", "long self")
+KINDS = ("notebook", "terminal", "self", "plain", "no lines", "lines 5 ms", "python", "python, no lines", "big",
+         "big self", "big plain", "long", "long self")
 
 
 def measure(shell: Any) -> dict[str, list[float]]:
@@ -179,19 +209,22 @@ def measure(shell: Any) -> dict[str, list[float]]:
             for kind in KINDS:
                 run(shell, kind)
         CPU.clear()
+        COMPLETE.clear()
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for i in range(ROUNDS):
             for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):
                 times[kind].append(run(shell, kind))
+                cell_time(shell, "", SEPARATOR)
         return times
     finally:
         with capture_output():
             shell.run_line_magic("xla_pool", "stop")
 
 
-def ratio(times: dict[str, list[float]], kind: str, base: str) -> float:
-    """The median over rounds of ``kind``'s cell time over ``base``'s in the same round."""
-    return statistics.median(ours / theirs for ours, theirs in zip(times[kind], times[base]))
+def ratio(times: dict[str, list[float]], kind: str, base: str, bases: dict[str, list[float]] | None = None) -> float:
+    """The median over rounds of ``kind``'s cell time over ``base``'s (in ``bases``, else ``times``) in the same
+    round."""
+    return statistics.median(ours / theirs for ours, theirs in zip(times[kind], (bases or times)[base]))
 
 
 def main() -> list[Row]:
@@ -203,6 +236,7 @@ def main() -> list[Row]:
             shell.run_line_magic("unload_ext", "xla_magic")
     ms = {kind: statistics.median(values) * 1000 for kind, values in times.items()}
     cpu = {kind: statistics.median(values) * 1000 for kind, values in CPU.items()}
+    complete = {kind: statistics.median(values) * 1000 for kind, values in COMPLETE.items()}
     against = "baseline: the same cell calling xp.start_trace/stop_trace itself, in the same rounds; "
     return [
         (f"a 10-step training cell with --profile, shown as in a notebook, {RANKS}-rank pool (median of {ROUNDS})",
@@ -230,6 +264,20 @@ def main() -> list[Row]:
          ms["long"], ms["long self"], "ms",
          against + f"median of the rounds' ratios {ratio(times, 'long', 'long self'):.3f}; the kernel's CPU time "
          f"for it: {cpu['long']:.1f} ms (with the profiler alone: {cpu['long self']:.1f} ms)"),
+        (f"the 10-step cell with --profile as in a notebook, until its picture was filled in (median of {ROUNDS})",
+         complete["notebook"], ms["self"], "ms",
+         against + f"median of the rounds' ratios {ratio(COMPLETE, 'notebook', 'self', times):.3f}; the cell "
+         "returns at the ranks' replies, and the picture is filled in by display id once their digests came"),
+        (f"the same for the 100-step cell (median of {ROUNDS})",
+         complete["long"], ms["long self"], "ms",
+         against + f"median of the rounds' ratios {ratio(COMPLETE, 'long', 'long self', times):.3f}"),
+        (f"the 10-step cell with --profile as in a terminal, until its text was printed (median of {ROUNDS})",
+         complete["terminal"], ms["self"], "ms",
+         against + f"median of the rounds' ratios {ratio(COMPLETE, 'terminal', 'self', times):.3f}"),
+        (f"the training cell with --profile, its lines sampled every 10 ms (median of {ROUNDS})",
+         ms["terminal"], ms["lines 5 ms"], "ms",
+         f"baseline: the same with the lines sampled every {OLD_PERIOD_MS} ms ({NO_LINES}={OLD_PERIOD_MS}), in "
+         f"the same rounds; median of the rounds' ratios {ratio(times, 'terminal', 'lines 5 ms'):.3f}"),
         (f"the kernel's own CPU time for a --profile cell shown as in a notebook (median of {ROUNDS})",
          cpu["notebook"], cpu["self"], "ms",
          f"baseline: its CPU time for the cell with the profiler alone; as in a terminal: {cpu['terminal']:.1f} ms; "

@@ -120,8 +120,11 @@ def spawn(ip):
 
     def run(line: str, cell: str, **user_ns: Any) -> CellRun:
         ip.user_ns.update(user_ns)
+        from xla_magic import profile_view
+
         with capture_output() as captured:
             value = ip.run_cell_magic("xla_spawn", line, cell)
+            profile_view.wait_drawn()  # a pool's --profile text is printed once its ranks' digests came
         return CellRun(value, captured.stdout, captured.stderr)
 
     return run

@@ -29,6 +29,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import contextlib
 import urllib.error
@@ -42,6 +43,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout, sync_playwright
 
 from helpers import PROFILED
+from test_profile import gated_cell
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("XLA_MAGIC_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -151,6 +153,9 @@ display(HTML(f"<b>rank {rank}</b> is done"))"""
 
 # --profile: the timeline under the cell, one lane per rank (docs/profiling.md's picture).
 PROFILE_CELL = "%%xla_spawn --devices 2 --profile" + PROFILED.rstrip("\n")
+# --profile in a pool, its ranks' digests held until the test opens the gate: the timeline comes after the reply.
+PROFILE_GATE = os.path.join(tempfile.gettempdir(), f"xla_magic-browser-profile-gate-{os.getpid()}")
+GATED_PROFILE_CELL = "%%xla_spawn --profile\n" + gated_cell(PROFILE_GATE)
 
 CELLS = [
     "%load_ext xla_magic",
@@ -172,6 +177,7 @@ CELLS = [
     # A rank's plot and display(), as a notebook shows them.
     PLOT_CELL,
     PROFILE_CELL,
+    GATED_PROFILE_CELL,
 ]
 
 
@@ -511,3 +517,25 @@ def check_profile(page, images: Path) -> None:
     assert svg.evaluate("element => element.getBoundingClientRect().width") > 300
     if FRONT_END is LAB:  # docs/profiling.md's picture
         picture.screenshot(path=str(images / "profile_timeline.png"))
+
+
+def test_a_pool_s_profiled_cell_fills_in_its_timeline_once_the_ranks_read_their_traces(page, server):
+    """In a pool the cell returns at its ranks' replies, under it a placeholder that the front end replaces with
+    the timeline when the kernel updates it by its display id, from a thread, after the cell's reply."""
+    with evidence(page, server, "pool profile"):
+        first_run(page, 0, CELLS.index("%xla_pool start --devices 2 --backend cpu"))
+        index = CELLS.index(GATED_PROFILE_CELL)
+        try:
+            run_and_wait(page, index)  # the cell's reply came: its prompt shows a count
+            output = cell(page, index).locator(FRONT_END.output)
+            output.get_by_text("reading each rank's trace").wait_for()
+            assert output.locator(".xla-profile svg.xla-timeline").count() == 0
+            open(PROFILE_GATE, "w").close()
+            svg = output.locator(".xla-profile svg.xla-timeline")
+            svg.wait_for()
+        finally:
+            open(PROFILE_GATE, "w").close()  # never a rank left waiting
+        assert svg.locator("text", has_text="rank 0").count() == 1 and svg.locator("text", has_text="rank 1").count() == 1
+        assert output.get_by_text("reading each rank's trace").count() == 0  # replaced, not added beside it
+        assert output.locator(".xla-profile svg.xla-timeline").count() == 1
+        os.unlink(PROFILE_GATE)

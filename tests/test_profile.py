@@ -36,10 +36,12 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     assert session.listeners == listening
     found = profile_lanes.lanes(record)
     assert [one.ranks for one in found] == [[0], [1]]
-    # Each rank process read its own trace and sent the digest with its reply; the files read here tell the same.
+    # Each rank process replied first, then read its own trace into the digest file its reply named; the files
+    # read here tell the same.
     for one in found:
-        assert one.where.get("digest")
-        files_only = {key: value for key, value in one.where.items() if key != "digest"}
+        assert not one.where.get("digest") and os.path.dirname(one.where["digest_file"]) == one.where["folder"]
+        assert trace.wait_digest(one.where)["version"] == trace.DIGEST_VERSION
+        files_only = {key: value for key, value in one.where.items() if key not in ("digest", "digest_file")}
         here = trace.lane(files_only, profile_lanes.compile_labels(record.ranks[one.ranks[0]].xla))
         assert (here.events, here.runs, here.ops, here.lines, here.span) == (
             one.events, one.runs, one.ops, one.lines, one.span)
@@ -267,3 +269,78 @@ def test_a_rank_that_uses_sigalrm_itself_keeps_it_and_still_gets_its_lines(ip, p
     told = "from xla_magic.launcher import profiling\n(rang, signal.getsignal(signal.SIGALRM).__name__, " \
            "profiling.profiler().sampler.thread is not None)"
     assert spawn("", told).value == [([], "<lambda>", True)] * 2
+
+
+# --- a pool's reply does not wait for its profile ----------------------------------------------------
+
+def gated_cell(gate: str) -> str:
+    """A --profile cell whose ranks' digests, after their replies, wait until the test creates ``gate`` (this
+    cell's only): so the cell's end, and what shows before the digests came, are seen for sure."""
+    return ("import os, time, torch, torch_xla\nfrom xla_magic.launcher import profiling\n"
+            "real = getattr(profiling, 'real_digest', profiling._digest)\nprofiling.real_digest = real\n"
+            f"def gated(where, real=real, gate={gate!r}):\n"
+            "    while not os.path.exists(gate):\n        time.sleep(0.01)  # polling the test's gate file\n"
+            "    profiling._digest = real  # the next cells digest as ever\n"
+            "    return real(where)\n"
+            "profiling._digest = gated\n"
+            "y = (torch.ones(4, device=device) * 2).sum(); torch_xla.sync(); y.item()")
+
+
+def test_a_pool_cell_returns_before_its_ranks_digest_and_its_text_follows(ip, pool, tmp_path):
+    gate = str(tmp_path / "gate")
+    with capture_output() as shown:
+        value = ip.run_cell_magic("xla_spawn", "--profile", gated_cell(gate))
+        assert value == [8.0, 8.0]  # the cell returned, every rank's digest still to come
+        record = ip._xla_magic_session.last_profiled
+        assert profile_lanes.digests_to_come(record)
+        assert not any(os.path.exists(where["digest_file"]) for where in profile_lanes._profiles(record))
+        assert "Profile of run" not in shown.stdout
+        open(gate, "w").close()
+        profile_view.wait_drawn()
+    assert profile_view.text(record) in shown.stdout
+    assert all(one.lines and not one.problem for one in profile_lanes.lanes(record))
+
+
+def test_in_a_notebook_the_picture_is_filled_in_by_display_id_once_the_digests_came(tmp_path):
+    import time
+
+    from helpers import KERNEL_TIMEOUT, Kernel
+
+    gate = str(tmp_path / "gate")
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        reply, text = kernel.run("%xla_pool start --devices 2 --backend cpu")
+        assert reply["status"] == "ok", text
+        client, seen = kernel.client, []
+        reply = client.execute_interactive("%%xla_spawn --profile\n" + gated_cell(gate), timeout=KERNEL_TIMEOUT,
+                                           output_hook=seen.append)
+        assert reply["content"]["status"] == "ok"
+        cell = reply["parent_header"]["msg_id"]
+        # The cell ended with the placeholder shown under it, its display id named, the digests not yet come.
+        [placeholder] = [m for m in seen if m["msg_type"] == "display_data"
+                         and "reading each rank's trace" in m["content"]["data"]["text/plain"]]
+        display_id = placeholder["content"]["transient"]["display_id"]
+        assert not any(m["msg_type"] == "update_display_data" for m in seen)
+        open(gate, "w").close()
+        deadline = time.monotonic() + KERNEL_TIMEOUT
+        update = None
+        while update is None and time.monotonic() < deadline:
+            message = client.get_iopub_msg(timeout=KERNEL_TIMEOUT)
+            if message["msg_type"] == "update_display_data":
+                update = message
+        assert update is not None, "no update of the profile's display came"
+        # The update goes to the cell that ran, under the placeholder's id, with the picture and the text.
+        assert update["parent_header"]["msg_id"] == cell
+        assert update["content"]["transient"]["display_id"] == display_id
+        data = update["content"]["data"]
+        assert '<svg class="xla-timeline"' in data["text/html"] and ">r1 lines<" in data["text/html"]
+        assert data["text/plain"].startswith("Profile of run ") and "(2 traces)" in data["text/plain"]
+        # %xla_profile shows the same profile again, complete.
+        again: list = []
+        client.execute_interactive("%xla_profile", timeout=KERNEL_TIMEOUT, output_hook=again.append)
+        [shown] = [m for m in again if m["msg_type"] == "display_data"]
+        assert shown["content"]["data"]["text/plain"] == data["text/plain"]
+        kernel.run("%xla_pool stop")
+    finally:
+        kernel.close()

@@ -44,6 +44,11 @@ def _profiles(record: RunRecord) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def digests_to_come(record: RunRecord) -> bool:
+    """Whether a rank process digests its trace after its reply (a pool's): reading the lanes then waits for it."""
+    return any(where.get("digest_file") and not where.get("digest") for where in _profiles(record))
+
+
 def lanes(record: RunRecord, reader: "Reader | None" = None) -> list[Lane]:
     """Each rank process's lane, by first rank; those ``reader`` already read are taken from it."""
     found = [reader.lane(record, where) if reader is not None else lane(where, _labels_of(record, where))
@@ -57,7 +62,8 @@ class Reader:
     A session listener while a ``--profile`` cell runs (runner.py): the
     request tells listeners of each fact a rank sends, so a trace that the
     kernel must read itself (6-7 ms a rank: its rank sent no digest) is
-    read while the slowest rank still runs. One thread reads them in turn
+    read while the slowest rank still runs (a digest still to come is waited for
+    when the profile is drawn: profile_view.py). One thread reads them in turn
     (the JSON parser holds the GIL: more would not go faster). A lane with
     a digest is rebuilt at the cell's end instead (0.1-0.2 ms): a thread
     for it cost the kernel more than the rebuild itself.
@@ -71,7 +77,7 @@ class Reader:
         """Start reading each trace not yet being read (never raises: it runs as a listener)."""
         try:
             for where in _profiles(record):
-                if id(where) not in self._reading and not where.get("digest"):
+                if id(where) not in self._reading and not where.get("digest") and not where.get("digest_file"):
                     if self._pool is None:
                         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla_magic-profile")
                     self._reading[id(where)] = self._pool.submit(lane, where, _labels_of(record, where))

@@ -8,16 +8,19 @@ top device ops and the slowest rank against the others.
 
 from __future__ import annotations
 
+import contextvars
 import html
 import os
 import re
 import statistics
+import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from xla_magic.display import in_notebook
-from xla_magic.profile_lanes import Reader, lanes
+from xla_magic.profile_lanes import Reader, digests_to_come, lanes
 from xla_magic.record import RunRecord
 from xla_magic.wire.trace import KINDS, STEPS, THINNEST_STEPS, Event, Lane, Run
 
@@ -348,9 +351,23 @@ class Profile:
         return text(self.record, self.lanes())
 
 
+class Pending:
+    """What a notebook shows under a --profile cell until every rank's digest came; then updated by display id."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+
+    def _repr_html_(self) -> str:
+        return f'<div class="xla-profile xla-note">{html.escape(repr(self))}</div>'
+
+    def __repr__(self) -> str:
+        return f"Profile of run {self.record.run_id}: reading each rank's trace…"
+
+
 def show(record: RunRecord, text: bool = False, reader: Reader | None = None) -> None:
     from IPython import get_ipython
 
+    wait_drawn()  # a profile still being filled in comes first
     if text or not in_notebook(get_ipython()):
         print(repr(Profile(record, reader)), flush=True)
     else:
@@ -359,15 +376,70 @@ def show(record: RunRecord, text: bool = False, reader: Reader | None = None) ->
         display(Profile(record, reader))
 
 
+_drawing: threading.Thread | None = None  # the thread filling in the last profile shown before its digests came
+
+
+def wait_drawn() -> None:
+    """Until the profile shown last is complete (the next %%xla_spawn cell and %xla_profile wait for it)."""
+    drawing = _drawing
+    if drawing is not None:
+        drawing.join()
+
+
 def after_cell(record: RunRecord, reader: Reader | None = None) -> None:
-    """Under a --profile cell, however it ended: the profile. A fault here never costs the cell its result."""
+    """Under a --profile cell, however it ended: the profile. A fault here never costs the cell its result.
+
+    Where the ranks digest their traces after their reply (a pool's), the
+    cell does not wait for them: a notebook shows a placeholder, updated by
+    its display id with the profile once every digest came; a terminal
+    prints the text then. Both are done by a thread, in the cell's context,
+    so the update goes to the cell that ran.
+    """
+    global _drawing
+    from IPython import get_ipython
+
     try:
-        show(record, reader=reader)
+        wait_drawn()
+        if not digests_to_come(record):
+            show(record, reader=reader)
+            return
+        profile = Profile(record, reader)
+        if in_notebook(get_ipython()):
+            from IPython.display import display
+
+            handle = display(Pending(record), display_id=True)
+
+            def fill() -> None:
+                profile.lanes()
+                handle.update(profile)
+        else:
+            out = sys.stdout
+
+            def fill() -> None:
+                print(repr(profile), file=out, flush=True)
+
+        done, reader = _filled(fill, reader), None
+        _drawing = threading.Thread(target=contextvars.copy_context().run, args=(done,),
+                                    name="xla_magic profile", daemon=True)
+        _drawing.start()
     except Exception as exc:  # a trace we cannot read, a display that fails
         print(f"(xla_magic could not show the profile: {type(exc).__name__}: {exc})", flush=True)
     finally:
         if reader is not None:
             reader.close()
+
+
+def _filled(fill: Callable[[], None], reader: Reader | None) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fill()
+        except Exception as exc:
+            print(f"(xla_magic could not show the profile: {type(exc).__name__}: {exc})", flush=True)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    return run
 
 
 def trace_files(folder: str) -> list[str]:

@@ -106,6 +106,7 @@ class Runner:
     def cell(self, ranks: Ranks, cell: Cell, report: str = "auto", hang_after: float | None = None) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         self.release_post_mortem()  # before anything of this cell starts: a kept one-shot set may hold the devices
+        profile_view.wait_drawn()  # the last cell's profile, filled in once its ranks' digests came, comes first
         run_id = self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}

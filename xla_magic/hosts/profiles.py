@@ -19,6 +19,7 @@ import os
 from typing import Any, TypedDict
 
 from xla_magic.record import RankState, RunRecord
+from xla_magic.wire import trace
 
 SEND_LIMIT = 64 << 20  # bytes of one trace file a host sends; a larger one stays on the host, named
 FILES = ("trace", "xplane", "lines")  # the keys of a rank process's files in its profile (protocol.PROFILE)
@@ -44,6 +45,10 @@ def collect(record: RunRecord | None) -> list[SentTrace]:
         if where is None or id(where) in seen:
             continue
         seen.add(id(where))
+        where = dict(where)
+        if where.get("digest_file"):  # a pool's rank digests once it replied: it travels digested, as one-shot's do
+            where["digest"] = trace.wait_digest(where)
+            del where["digest_file"]
         files: dict[str, bytes] = {}
         left: list[str] = []
         for key in FILES:
@@ -61,7 +66,7 @@ def collect(record: RunRecord | None) -> list[SentTrace]:
             f"the profiler did not run: {where['error']}" if where.get("error")
             else f"not sent: {'; '.join(left)}" if left else "the profiler wrote no trace.json.gz")
         accounts = {rank: record.ranks[rank].xla for rank in where.get("ranks", ()) if rank in record.ranks}
-        sent.append(SentTrace(where=dict(where), files=files, unsent=unsent, accounts=accounts))
+        sent.append(SentTrace(where=where, files=files, unsent=unsent, accounts=accounts))
     return sent
 
 

@@ -5,10 +5,13 @@ host); each rank process records the cell with
 ``torch_xla.debug.profiler.start_trace``/``stop_trace`` into its own folder
 there (``rank<N>``, N its first rank), where torch_xla writes
 ``plugins/profile/<time>/<host>.xplane.pb`` and ``<host>.trace.json.gz``.
-The rank reads its Chrome-trace JSON into a digest of the timeline's lane
+The rank sends where the files are (protocol.PROFILE) with its reply, then
+reads its Chrome-trace JSON into a digest of the timeline's lane
 (wire/trace.py's digest: each rank process reads its own, all at once) and
-sends it with where the files are (protocol.PROFILE) with its reply; the
-kernel draws the timeline from that (profile_view.py).
+writes it beside the trace (``DIGEST``, :func:`write_digest`): a pool's
+reply does not wait for it, and the kernel fills in the timeline when the
+digests are there (profile_view.py). A one-shot rank, whose process ends
+with its reply, sends its digest with the reply.
 
 torch_xla's profiler is one per process: rank threads of one process (the
 tpu launch path) share one trace, started by the first to begin and stopped
@@ -44,7 +47,10 @@ from xla_magic.launcher.stacks import CELL_FILE
 TRACE = "trace.json.gz"
 XPLANE = "xplane.pb"
 LINES = "python-lines.json"
-PERIOD_MS = 5  # how often the cell's line is sampled
+DIGEST = "xla_magic-digest.json"  # the rank's digest of its trace, written once its reply went (write_digest)
+# How often the cell's line is sampled: at 5 ms the timer cost a 10-step training cell 1.12-1.17x (benchmarks/
+# bench_profile.py); a line's time is known to about this.
+PERIOD_MS = 10
 ORIGIN = "xla_magic: sampled lines start"  # the annotation that ties the sampled lines' clock to the trace's
 LINES_SWITCH = "XLA_MAGIC_PROFILE_LINES"  # in the kernel's environment: "0", no lines; a number, the period in ms
 
@@ -94,8 +100,11 @@ class Profiler:
         except Exception:  # no lines, still the trace
             self.lines = None
 
-    def end(self) -> dict[str, Any] | None:
-        """Where the trace went, for the last rank thread to leave (protocol.PROFILE); None for the others."""
+    def end(self, digest_now: bool = True) -> dict[str, Any] | None:
+        """Where the trace went, for the last rank thread to leave (protocol.PROFILE); None for the others.
+
+        With its digest when ``digest_now``; else it names the file its digest will be written to
+        (``digest_file``: :func:`write_digest`, once the reply went)."""
         with self.lock:
             self.active -= 1
             if self.lines is not None:
@@ -115,7 +124,10 @@ class Profiler:
                      "trace": _newest(self.folder, TRACE), "xplane": _newest(self.folder, XPLANE),
                      "lines": lines, "error": self.error}
             if not self.error:
-                where["digest"] = _digest(where)
+                if digest_now:
+                    where["digest"] = _digest(where)
+                else:
+                    where["digest_file"] = os.path.join(self.folder, DIGEST)
             return where
 
     def _write_lines(self) -> str:
@@ -155,6 +167,8 @@ class LineSampler:
         self.period: float = PERIOD_MS
         self.threads: dict[int, int] = {}  # thread ident -> its rank
         self.spans: dict[int, list[list[Any]]] = {}  # rank -> [line, text, start, end], in order
+        self.texts: dict[tuple[str, int], str] = {}  # (cell file, line) -> its text, for this cell
+        self.main = threading.main_thread().ident
         self.lock = threading.Lock()
         self.running = threading.Event()
         self.thread: threading.Thread | None = None
@@ -163,7 +177,8 @@ class LineSampler:
 
     def start(self, origin: int, period: float = PERIOD_MS) -> None:
         with self.lock:
-            self.origin, self.period, self.threads, self.spans = origin, period, {}, {}
+            self.origin, self.period, self.threads, self.spans, self.texts = origin, period, {}, {}, {}
+            self.main = threading.main_thread().ident
             if not (_on_main_thread() and self._start_timer()):
                 self._start_thread()
 
@@ -208,7 +223,7 @@ class LineSampler:
         if not self.timed:
             return
         try:
-            rank = self.threads.get(threading.main_thread().ident)
+            rank = self.threads.get(self.main)
             if rank is not None:
                 self._note(rank, frame, time.time_ns() // 1000)
         except Exception:  # never lose the cell to a frame we could not read
@@ -248,16 +263,21 @@ class LineSampler:
                 self._note(rank, frames.get(ident), now)
 
     def _note(self, rank: int, frame: types.FrameType | None, now: int) -> None:
-        """One sample of ``rank``'s thread: a new span where its line changed."""
-        found = cell_line(frame)
+        """One sample of ``rank``'s thread: a new span where its line changed (its text read once per line)."""
+        found = _cell_frame(frame)
+        line = (found.f_lineno or 0) if found is not None else None
         spans = self.spans[rank]
         last = spans[-1] if spans and spans[-1][3] is None else None
-        if last is not None and found is not None and last[0] == found[0]:
+        if last is not None and last[0] == line:
             return
         if last is not None:
             last[3] = now
         if found is not None:
-            spans.append([found[0], found[1], now, None])
+            key = (found.f_code.co_filename, line)
+            text = self.texts.get(key)
+            if text is None:
+                text = self.texts[key] = linecache.getline(key[0], line).strip()
+            spans.append([line, text, now, None])
 
     def _close(self, rank: int, now: int) -> None:
         spans = self.spans.get(rank)
@@ -291,6 +311,25 @@ def _digest(where: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def write_digest(where: dict[str, Any]) -> None:
+    """The digest of the trace ``where`` names, into its ``digest_file`` (whole or not at all: written aside,
+    then renamed); what went wrong instead, if it could not be read, so the kernel reads the files itself."""
+    path = where.get("digest_file")
+    if not path:
+        return
+    found = None
+    try:
+        found = _digest(where)
+    finally:  # an interrupt meant for the next cell still leaves a file: the kernel does not wait in vain
+        try:
+            aside = f"{path}.{os.getpid()}.part"
+            with open(aside, "w", encoding="utf-8") as file:
+                json.dump(found if found is not None else {"failed": True}, file)
+            os.replace(aside, path)
+        except Exception:  # the kernel's wait (wire/trace.py's wait_digest) gives up when the rank is gone
+            pass
+
+
 def _period() -> float:
     """The sampling period the kernel's environment asks for (LINES_SWITCH), in ms; 0: no lines."""
     asked = os.environ.get(LINES_SWITCH, "")
@@ -300,13 +339,11 @@ def _period() -> float:
         return PERIOD_MS
 
 
-def cell_line(frame: types.FrameType | None) -> tuple[int, str] | None:
-    """The innermost frame of the cell's own code: its line number and text."""
+def _cell_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The innermost frame of the cell's own code."""
     while frame is not None:
-        code = frame.f_code
-        if code.co_filename.startswith(CELL_FILE):
-            line = frame.f_lineno or 0
-            return line, linecache.getline(code.co_filename, line).strip()
+        if frame.f_code.co_filename.startswith(CELL_FILE):
+            return frame
         frame = frame.f_back
     return None
 

@@ -215,8 +215,10 @@ class RankServer:
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
         self._results: transport.SegmentWriter | None = None
-        self._xla_frame = b""  # the cell's account of what XLA did (XLA), and its profile (PROFILE), sent with its reply
+        self._xla_frame = b""  # the cell's account of what XLA did (XLA), sent with its reply
+        self._profile_frame = b""  # the cell's profile (PROFILE), sent after its account (the kernel names compiles by it)
         self._accountant: xla_account.Accountant | None = None  # this process's, once a cell asked for an account
+        self._after_reply: list[Callable[[], None]] = []  # what waits until the reply went (a profile's digest)
         self._handlers: dict[str, Callable[[dict[str, Any]], bytes | None]] = {
             protocol.CELL: self.run_cell,
             protocol.PUSH: self.push,
@@ -318,13 +320,17 @@ class RankServer:
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
                                processes=self.children.kept())
         xla, self._xla_frame = self._xla_frame, b""
-        frames = (reply or b"") + xla + done
+        profile, self._profile_frame = self._profile_frame, b""
+        frames = (reply or b"") + xla + profile + done
         with self.channel.lock:
             # Answered from here on: a signal handler that raises once the bytes go (sendall runs the
             # handlers after it sent, and so does any call after it) is told with the next request,
             # never as a reply to this one, which the kernel has closed.
             self._answered = seq
             self.channel.sock.sendall(frames)
+        after, self._after_reply = self._after_reply, []
+        for job in after:  # (profiling.write_digest: never raises)
+            job()
         xla_account.settle()  # the next cell's start read, off its path
 
     def display(self, what: str, data: Any) -> None:
@@ -379,7 +385,7 @@ class RankServer:
             memory.start()
         try:
             self.phase = "cell"
-            with self._profiled(fields), self._accounted(fields), interrupt.Cell():
+            with self._accounted(fields), self._profiled(fields), interrupt.Cell():  # account read outside the trace
                 value = self.home.run(fields["source"], body, last)
             self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
@@ -404,9 +410,12 @@ class RankServer:
         try:
             yield
         finally:
-            where = profiler.end()
+            # A pool's rank digests its trace after its reply; a one-shot rank's process ends with its reply.
+            where = profiler.end(digest_now=self.serving.one_shot)
             if where is not None:
-                self._xla_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
+                self._profile_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
+                if where.get("digest_file"):
+                    self._after_reply.append(lambda: profiling.write_digest(where))
 
     @contextlib.contextmanager
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:

@@ -23,7 +23,7 @@ from xla_magic import rank_input, stacks
 from xla_magic.display import DebuggerQuit, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.hosts import link
 from xla_magic.hosts.naming import RESTART, label
-from xla_magic.hosts.on_host import ASKED, NEWS, HostOutcome
+from xla_magic.hosts.on_host import ASKED, NEWS, QUIET_NEWS, HostOutcome
 from xla_magic.record import RunRecord
 from xla_magic.run.watch import HANG_AFTER, HangLine, confirm_after
 
@@ -67,6 +67,7 @@ class HostsRequest:
         self._news: dict[int, tuple[Any, float]] = {}  # host -> (its last news, when it came)
         self._answered: dict[int, str] = {}  # rank -> the prompt's "where" it left: a host's later news may still say it
         self.lost_links: dict[int, str] = {}  # host -> why its link to the kernel was lost (hosts/link.py)
+        self._began = time.monotonic()
 
     def wait(self) -> list[Any]:
         """Every host's value, in host order, or the error that says what went wrong where."""
@@ -214,10 +215,10 @@ class HostsRequest:
         """Every host's live news into the record (each rank's state and place, for the panel), then the watchdog's
         judgement over every global rank, as one host's watch judges its own."""
         record = self.record
-        if record is None or self.stopping is not None:
-            return
-        changed = False
         now = time.monotonic()
+        if record is None or self.stopping is not None or now - self._began < QUIET_NEWS:
+            return  # the hosts send none this early: a quick cell never reads its calls' data
+        changed = False
         for index, call in enumerate(self.calls):
             news = (getattr(call, "data", None) or {}).get(NEWS)
             if not news or news.get("run") is None or self._news.get(index, (None,))[0] is news:

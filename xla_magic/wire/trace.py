@@ -6,7 +6,8 @@ Each rank process records the cell with torch_xla's profiler
 and sorts its complete events (``"ph": "X"``) into kinds, thread by
 thread, then groups each kind's events that touch at the timeline's widest
 zoom into runs (:class:`Run`); profile_view.py draws the runs. The rank
-process reads its own trace (:func:`digest`, sent with its reply) and the
+process reads its own trace (:func:`digest`, sent with its reply, or by a
+pool's rank written beside the trace after it: :func:`wait_digest`) and the
 kernel rebuilds the lane from that; it reads the files itself only where
 no digest came (a ``Reader`` then reads each as soon as its rank says
 where it is, while the others still run).
@@ -36,7 +37,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +59,8 @@ NOT_OPS = re.compile(r"^end: |ThreadpoolListener|ThunkExecutor|^Wait for|TaskDis
 _SYNC_STEPS = ("StepMarker", "XLAGraphExecutor::Compile")  # the first of them names the cell's thread
 OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sampled lines' clock)
 DIGEST_VERSION = 2  # of what digest() sends
+DIGEST_WAIT = 60.0  # how long a digest is waited for while its rank lives (reading 100 steps takes ~0.1 s)
+DIGEST_POLL = 0.002  # how often its file is looked for
 # Kinds whose events a lane keeps one by one (the text lists compiles; they are few): the others only as runs.
 KEPT = ("compile", "execute", "device→host", "host→device", "annotation")
 # The digest's resolution: events of one kind closer than a step of a lane's span cut into STEPS are one run,
@@ -139,12 +145,47 @@ def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
     if where.get("error"):
         found.problem = f"the profiler did not run: {where['error']}"
         return found
-    if where.get("digest"):
+    sent = where.get("digest") or wait_digest(where)
+    if sent:
         try:
-            return _from_digest(found, where["digest"], labels or {})
-        except (KeyError, TypeError, ValueError):  # a digest of another version: the files say it all
+            return _from_digest(found, sent, labels or {})
+        except (KeyError, TypeError, ValueError):  # a digest of another version, or none: the files say it all
             found = Lane(found.ranks, where)
     return _read(found, where, labels or {})
+
+
+def wait_digest(where: dict[str, Any], timeout: float = DIGEST_WAIT) -> dict[str, Any] | None:
+    """The digest its rank writes once its reply went (``digest_file``: launcher/profiling.py's write_digest),
+    waited for while the rank's process lives, up to ``timeout``; None if there is none to wait for."""
+    path = where.get("digest_file")
+    if not path:
+        return None
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline or not _alive(where):
+            if not os.path.exists(path):  # (it may have come just now)
+                return None
+            break
+        time.sleep(DIGEST_POLL)
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(where: dict[str, Any]) -> bool:
+    """Whether the rank process that wrote ``where`` still runs (on this host: a digest is waited for only here)."""
+    pid = where.get("pid")
+    if not isinstance(pid, int) or where.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal: it exists
+        return True
+    return True
 
 
 def digest(where: dict[str, Any]) -> dict[str, Any]:
