@@ -12,19 +12,20 @@ its prompt through the kernel's input (rank_input.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
 from xla_magic.display import RankError
+from xla_magic.wire import protocol
 
 if TYPE_CHECKING:
     from xla_magic.ranks import Ranks
 
 NOT_KEPT = ("no rank of that cell kept its frames: a rank keeps them for %debug until its next cell, a one-shot "
             "rank until the next cell or until the debugger is left; one-shot ranks that are threads of one process "
-            "(the tpu launch path) leave with their cell, so run it in a pool (%xla_pool start) to debug it; a pool "
-            "across hosts does not keep them yet")
+            "(the tpu launch path) leave with their cell, so run it in a pool (%xla_pool start) to debug it; a --fresh "
+            "cell across hosts does not keep them: run it in the pool across hosts to debug it")
 
 
 class PostMortem:
@@ -32,6 +33,7 @@ class PostMortem:
 
     def __init__(self, ranks: Ranks, error: RankError, run_id: int) -> None:
         self.ranks = ranks
+        self.name = ranks.name  # a rank in a sentence
         self.run_id = run_id
         self.debuggable = list(error.debuggable)
         self.failures = {failure.rank: failure for failure in error.failures}
@@ -52,7 +54,7 @@ class PostMortem:
 
     def note(self) -> str:
         """The line under the cell's error that says what %debug opens, and for how long."""
-        first = self.ranks.name(self.debuggable[0])
+        first = self.name(self.debuggable[0])
         others = (f"; %xla_debug --rank R opens another's ({', '.join(map(str, sorted(self.debuggable[1:])))})"
                   if len(self.debuggable) > 1 else "")
         if self.parked:
@@ -64,7 +66,11 @@ class PostMortem:
     def opening(self, rank: int) -> str:
         failure = self.failures.get(rank)
         what = f" ({failure.headline()})" if failure is not None else ""
-        return f"%debug: {self.ranks.name(rank)} of cell {self.run_id}, in the frame where it failed{what}"
+        return f"%debug: {self.name(rank)} of cell {self.run_id}, in the frame where it failed{what}"
+
+    def open(self, runner: Any, rank: int) -> None:
+        """pdb in ``rank``'s kept frames: a DEBUG request, followed until the debugger is left."""
+        runner.exchange(self.ranks, protocol.DEBUG, f"%debug (rank {rank} of cell {self.run_id})", [rank], False)
 
     def release(self) -> None:
         """A one-shot set kept for it ends now; a pool's ranks drop the frames at their next request."""
@@ -74,4 +80,5 @@ class PostMortem:
 
 def keeps(ranks: Ranks, error: RankError) -> bool:
     """Whether a failed request's set is worth keeping for %debug: a rank kept frames, and the set can answer."""
-    return bool(error.debuggable) and ranks.world is None and ranks.state != "broken"
+    # One host of several keeps a pool's failed ranks (%debug reaches them through its engine); not one-shot ones.
+    return bool(error.debuggable) and (ranks.world is None or ranks.policy.stops_cells_only) and ranks.state != "broken"

@@ -26,33 +26,51 @@ ENDED = "the kernel's input ended (Ctrl-D, or its stdin is closed), so nothing a
 STOPPING = "the cell is being stopped, so {what} on {who} is not asked"
 
 
+Ask = Callable[[dict[str, Any]], dict[str, Any]]  # a question -> its reply: {"text": ...} or {"eof": why}
+
+
 def answer(ranks: Any, record: Any, output: Any, rank: int, fields: dict[str, Any], stopping: bool,
-           on_update: Callable[[Any], None]) -> dict[str, Any]:
+           on_update: Callable[[Any], None], ask: Ask | None = None) -> dict[str, Any]:
     """The INPUT_REPLY's fields for ``rank``'s question: the line typed, or why there is none.
 
     ``ranks`` names the rank, ``record`` holds the panel's "where", ``output`` the rank's line in progress
-    (request.py's); ``stopping``: the request is being stopped, so nothing is asked.
+    (request.py's); ``stopping``: the request is being stopped, so nothing is asked. ``ask`` asks the question
+    (``ask_here``, the kernel's own input; on one host of several, the kernel's through the host's link).
     """
     why = fields.get("why", "input")
     what = "the debugger's prompt" if why == "debugger" else "getpass" if fields.get("password") else "input()"
-    who = ranks.name(rank)
+    who = f"rank {ranks.label(rank)}" if ranks.world else ranks.name(rank)
     if stopping:
         return {"eof": STOPPING.format(what=what, who=who)}
     line = fields.get("line")
     state = record.ranks.get(rank)
     before_where = state.where if state is not None else ""
     if state is not None:  # the status panel's "where", while the prompt is open
-        at = f"line {line}" if line is not None else "post-mortem" if why == "debugger" else "outside the cell's lines"
-        state.where = f"in the debugger ({at})" if why == "debugger" else f"waiting for input ({at})"
+        state.where = where_at(why, line)
         on_update(record)
     before = output.take_partial(rank, "stdout")  # print('name:', end=''); input()
-    prompt = f"[{ranks.label(rank)}] {before}{fields.get('prompt', '')}"
-    try:
-        text = getpass.getpass(prompt) if fields.get("password") else builtins.input(prompt)
-    except StdinNotImplementedError:
-        return {"eof": NO_STDIN.format(what=what, who=who)}
-    except (EOFError, OSError):  # OSError: a stdin that cannot be read at all (pytest's capture, say)
-        return {"eof": ENDED.format(what=what, who=who)}
-    if state is not None:
+    question = {"rank": rank + (ranks.world or {}).get("rank_offset", 0), "why": why, "line": line,
+                "prompt": f"[{ranks.label(rank)}] {before}{fields.get('prompt', '')}",
+                "password": bool(fields.get("password")), "what": what, "who": who}
+    reply = (ask or ask_here)(question)
+    if state is not None and "text" in reply:
         state.where = before_where  # answered: the sampler says where it is next
+    return reply
+
+
+def where_at(why: str, line: int | None) -> str:
+    """The panel's "where" of a rank at a prompt."""
+    at = f"line {line}" if line is not None else "post-mortem" if why == "debugger" else "outside the cell's lines"
+    return f"in the debugger ({at})" if why == "debugger" else f"waiting for input ({at})"
+
+
+def ask_here(question: dict[str, Any]) -> dict[str, Any]:
+    """``question`` asked with this process's own input: the kernel's (the notebook's input box, the terminal)."""
+    prompt = question["prompt"]
+    try:
+        text = getpass.getpass(prompt) if question.get("password") else builtins.input(prompt)
+    except StdinNotImplementedError:
+        return {"eof": NO_STDIN.format(what=question["what"], who=question["who"])}
+    except (EOFError, OSError):  # OSError: a stdin that cannot be read at all (pytest's capture, say)
+        return {"eof": ENDED.format(what=question["what"], who=question["who"])}
     return {"text": text}

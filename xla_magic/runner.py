@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, place, post_mortem, probe, profile_view, sharding, xla_report
+from xla_magic import compile_cache, payload, place, post_mortem, probe, profile_view, rank_input, sharding, xla_report
 from xla_magic.pools import policy
 from xla_magic.wire import protocol
 from xla_magic.display import RankError, RunInterrupted
@@ -63,6 +63,7 @@ class Runner:
         self.launcher: Launcher | None = None
         self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
         self.post_mortem: post_mortem.PostMortem | None = None  # what %debug opens, until the next cell
+        self.ask: rank_input.Ask | None = None  # how its ranks' questions are asked (None: the kernel's own input)
 
     # -- the launcher ------------------------------------------------------
 
@@ -132,7 +133,7 @@ class Runner:
                 self.history.last_profiled = record  # %xla_profile shows it again
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
-                              live_lines=cell.live_lines, hang_after=hang_after)
+                              live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask)
             if launching:
                 self.launch(ranks, record, first=frame)
             else:
@@ -196,7 +197,7 @@ class Runner:
         seq = ranks.next_seq()
         record = self.record(self.history.next_run_id(), label, ranks)
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
-                          has_result=has_result, targets=targets, on_update=self.history.notify)
+                          has_result=has_result, targets=targets, on_update=self.history.notify, ask=self.ask)
         request.start()
         return request.wait()
 
@@ -215,7 +216,7 @@ class Runner:
         target = kept.choose(rank)
         print(kept.opening(target), flush=True)
         try:
-            self.exchange(kept.ranks, protocol.DEBUG, f"%debug (rank {target} of cell {kept.run_id})", [target], False)
+            kept.open(self, target)
         finally:
             if kept.parked:
                 self.release_post_mortem()

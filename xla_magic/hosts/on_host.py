@@ -28,6 +28,7 @@ from IPython.core.error import UsageError
 from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
+from xla_magic.hosts import link as kernel_link
 from xla_magic.hosts import profiles
 from xla_magic.pools.this_host import LocalPool
 from xla_magic.pools.interface import Cell, PoolOptions
@@ -37,6 +38,7 @@ from xla_magic.wire import protocol
 
 
 NEWS = "xla_magic"  # the key of a host's live news in its call's ipyparallel data
+ASKED = "xla_magic_asked"  # the key of the last question's id, sent after the output before it (hosts/link.py)
 QUIET_NEWS = 0.25  # s: a running cell's news start this long after it began (a trivial cell's never go)
 
 
@@ -56,6 +58,7 @@ class HostOutcome(TypedDict, total=False):
     message: str  # interrupted, refused, lost
     summary: str  # failed
     failures: list[HostFailure]  # failed
+    debuggable: list[int]  # failed: the failed ranks that keep the cell's frames for %debug, by local rank
     results: dict[int, Any]  # failed, interrupted: the values of the ranks that finished, by local rank
     broken: str | None  # the host's pool broke: why
     stacks: dict[int, dict[str, Any]]  # failed, interrupted: where each rank was at the stop, by local rank
@@ -71,6 +74,7 @@ class Here:
         self.runs = History()
         self.runs.listeners.append(self._tell_kernel)
         self.runner = Runner(self.runs)
+        self.runner.ask = _ask_kernel  # its ranks' questions go to the kernel, through the link
         self.pool: LocalPool | None = None
         self.values: dict[str, Any] = {}
         self.received: tuple[str, ...] = ()  # the names the last cell brought (the others were here already)
@@ -115,6 +119,8 @@ class Here:
 
 
 _here: Here | None = None
+_link: kernel_link.Link | None = None  # to the kernel, for its ranks' questions
+_asked = 0  # the last question's id
 
 
 def identify() -> dict[str, Any]:
@@ -128,6 +134,64 @@ def free_port(address: str) -> int:
     with socket.socket() as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]
+
+
+def link(ticket: dict[str, Any], index: int) -> HostOutcome:
+    """Link to the kernel (hosts/link.py) as host ``index``; once per engine, again only when it starts anew."""
+
+    def connect() -> None:
+        global _link
+        old, _link = _link, None
+        if old is not None:
+            old.close()
+        try:
+            _link = kernel_link.connect(ticket, index, _cluster_key())
+        except kernel_link.LinkError as exc:
+            raise UsageError(f"this host could not link to the kernel: {exc}") from None
+
+    return _outcome(connect)
+
+
+def _cluster_key() -> bytes:
+    """The cluster's key, as this engine got it on its stdin (hosts/engine.py): the link's token is made from it."""
+    from ipyparallel.engine.app import IPEngine
+
+    if not IPEngine.initialized():
+        raise UsageError("this is not an ipyparallel engine, so it holds no cluster key to link to the kernel with")
+    return bytes(IPEngine.instance().session.key)
+
+
+def _ask_kernel(question: dict[str, Any]) -> dict[str, Any]:
+    """A rank's question (rank_input.py), asked in the kernel through the link; the kernel's reply. The kernel's
+    interrupt (SIGINT: ``_interrupt``) ends the wait as it ends a cell; a lost link is an end of input here."""
+    global _link, _asked
+    if _link is None:
+        return {"eof": f"this host has no link to the kernel, so nothing answers {question['what']} on "
+                       f"{question['who']}"}
+    _asked += 1
+    asked = _asked
+    sys.stdout.flush()  # what the ranks printed before they asked goes first: the kernel waits for ASKED
+    sys.stderr.flush()
+    try:
+        from ipyparallel.datapub import publish_data
+
+        publish_data({ASKED: asked})
+    except Exception:  # noqa: BLE001 - not in an engine: the kernel asks without waiting for the output
+        pass
+    try:
+        _link.send(kernel_link.ASK, id=asked, **question)
+        while True:
+            record = _running_record()
+            if record is not None and record.interrupt_requested:
+                raise KeyboardInterrupt
+            frame = _link.receive(0.1)
+            if frame is not None and frame.get("kind") == kernel_link.ANSWER and frame.get("id") == asked:
+                return dict(frame["reply"])
+    except kernel_link.LinkError as exc:
+        lost, _link = _link, None
+        lost.close()
+        return {"eof": f"this host's link to the kernel is lost ({exc}), so nothing answers {question['what']} on "
+                       f"{question['who']}"}
 
 
 def ranks_here(devices: int | None, backend: str) -> HostOutcome:
@@ -161,12 +225,15 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
 
 
 def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
-             kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None) -> HostOutcome:
+             kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None,
+             run_id: int | None = None) -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
     The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
-    changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer."""
+    changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer.
+    ``run_id``: the kernel's number of the cell, which names it here too (``<xla_spawn cell N>``)."""
     here = _require()
+    _number(here, run_id)
     values = _take(here, sent, names)
     cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after)
     return _profiled(here, cell, lambda: _pool(here).run_cell(cell))
@@ -174,14 +241,21 @@ def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeou
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
               kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False,
-              hang_after: float | None = None) -> HostOutcome:
+              hang_after: float | None = None, run_id: int | None = None) -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
+    _number(here, run_id)
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
                 place=kernel_place, profile=profile, hang_after=hang_after)
     return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
+
+
+def _number(here: Here, run_id: int | None) -> None:
+    """The next run here is the kernel's ``run_id``: a traceback's ``<xla_spawn cell N>`` is the cell the kernel says."""
+    if run_id is not None:
+        here.runs.run_count = run_id - 1
 
 
 def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
@@ -225,6 +299,23 @@ def pull(name: str) -> HostOutcome:
     return _outcome(lambda: _pool(_require()).pull(name, None))
 
 
+def debug(rank: int | None) -> HostOutcome:
+    """``%debug`` on this host: pdb in local ``rank``'s kept frames of its last failed cell, until left (the
+    kernel said which, and printed it); ``None``: another host's rank, nothing to do here."""
+    if rank is None:
+        return {"outcome": "ok", "value": None}
+    here = _require()
+
+    def open_frames() -> None:
+        kept = here.runner.post_mortem
+        if kept is None or rank not in kept.debuggable:
+            raise UsageError("this host's ranks no longer hold that cell's frames: a rank keeps them until the next "
+                             "cell")
+        kept.open(here.runner, rank)
+
+    return _outcome(open_frames)
+
+
 def where_now(everything: bool, with_locals: bool = False) -> dict[int, dict[str, Any]]:
     """Where this host's pool ranks are now, by local rank, threads a cell left running included (``%xla_stacks``
     between cells: the engine is free then); empty when its pool does not run."""
@@ -253,8 +344,11 @@ def status() -> dict[str, Any]:
 
 def stop() -> None:
     """End this host's ranks and launcher, and remove their files."""
-    global _here
+    global _here, _link
     here, _here = _here, None
+    lost, _link = _link, None
+    if lost is not None:
+        lost.close()
     if here is not None:
         here.close()
 
@@ -308,8 +402,9 @@ def _outcome(call: Callable[[], Any]) -> HostOutcome:
     except RankError as exc:
         failures = [HostFailure(rank=f.rank, type=f.type, message=f.message, traceback=f.traceback,
                                 exit_code=f.exit_code) for f in exc.failures]
+        kept = list(exc.debuggable) if exc.post_mortem is not None else []
         return {"outcome": "failed", "summary": exc.summary, "failures": failures, "results": exc.results,
-                "broken": _broken(), **_where()}
+                "debuggable": kept, "broken": _broken(), **_where()}
     except RunInterrupted as exc:
         return {"outcome": "interrupted", "message": str(exc).split("\n")[0], "results": exc.results,
                 "broken": _broken(), **_where()}

@@ -22,7 +22,9 @@ from IPython.core.error import UsageError
 
 from xla_magic import payload, place, profile_view
 from xla_magic.wire import protocol
-from xla_magic.hosts import discovery, on_host, profiles
+from xla_magic.display import RankError
+from xla_magic.hosts import discovery, link, on_host, profiles
+from xla_magic.hosts.debugging import HostsPostMortem
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 from xla_magic.hosts.naming import RESTART, label
 from xla_magic.run.across_hosts import HostsRequest
@@ -35,6 +37,7 @@ ENGINES_TIMEOUT = 120.0  # for every engine to register
 START_TIMEOUT = 600.0  # for every host's launcher and ranks to be ready
 HEARTBEAT_MS = 1000  # the controller's heartbeat period; an engine ends after MISSES silent periods
 MISSES = 10
+LINK_TIMEOUT = 60.0  # for every engine to link to the kernel (hosts/link.py)
 WHERE_TIMEOUT = 30.0  # for a host to say where its ranks are now (each waits a second for its samplers)
 
 
@@ -68,6 +71,7 @@ class HostsPool:
         self._rows: list[dict[str, Any]] = []  # each host's status, as its engine last said it
         self.shipping = HostShipping(len(hosts))  # what each host's engine holds of the kernel's values
         self.address = ""
+        self.links: dict[int, link.Link] = {}  # each host's link to the kernel, for its ranks' questions
         self.cells = 0
         self.hang_after: float | None = None  # --hang-after, for the pool's cells that give none (watch.py)
         self.live_lines = False  # the watchdog's line updated in place: the kernel is a notebook's
@@ -174,6 +178,35 @@ class HostsPool:
         by_index = {facts["index"]: (engine, facts["pid"]) for engine, facts in zip(self.client.ids, identities)}
         self.engines = [by_index[index][0] for index in range(len(self.hosts))]
         self.engine_pids = [by_index[index][1] for index in range(len(self.hosts))]
+        self._link_hosts()
+
+    def _link_hosts(self) -> None:
+        """Each engine's link to the kernel (hosts/link.py), made once with the cluster: a restart keeps it.
+
+        The listener is on the kernel's address toward the hosts, and closed once every host is linked; the
+        token is made from the cluster's key, which each engine holds already, and never travels."""
+        listener = link.Listener(self.address, bytes(self.client.session.key))
+        try:
+            calls = [self.client[engine].apply_async(on_host.link, listener.ticket(), index)
+                     for index, engine in enumerate(self.engines)]
+
+            def problem() -> str | None:
+                for index, call in enumerate(calls):
+                    if call.ready():
+                        said = call.get()
+                        if said["outcome"] != "ok":
+                            return f"host h{index} ({self.hosts[index]}): {said.get('message')}"
+                return None
+
+            try:
+                self.links = listener.accept(len(self.hosts), LINK_TIMEOUT, problem)
+            except link.LinkError as exc:
+                raise UsageError(f"the hosts could not link to the kernel for their ranks' questions: {exc}; "
+                                 f"check that each host reaches {self.address}") from None
+            for call in calls:
+                call.get(LINK_TIMEOUT)
+        finally:
+            listener.close()
 
     def _wait_for_engines(self) -> None:
         deadline = time.monotonic() + ENGINES_TIMEOUT
@@ -248,6 +281,9 @@ class HostsPool:
     def stop(self) -> None:
         """Every host's ranks and launcher, the engines, then the controller; nothing left anywhere."""
         self.state = "stopped"
+        links, self.links = self.links, {}
+        for each in links.values():
+            each.close()
         client, cluster, self.client, self.cluster = self.client, self.cluster, None, None
         try:
             if client is not None:
@@ -297,6 +333,7 @@ class HostsPool:
         ``cell.fresh``: in ranks spawned for it on every host, one world, ended after it.
         """
         self.check_usable()
+        self.runner.release_post_mortem()  # a failed cell's frames are dropped by the ranks at their next request
         if cell.spmd is not None:
             raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
         if not cell.fresh and cell.devices is not None and cell.devices != self.devices:
@@ -307,23 +344,29 @@ class HostsPool:
         # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
         here = place.current(place.environment_changes(self.base_environment))
         hang_after = cell.hang_after or self.hang_after
+        run_id = self.runner.history.next_run_id()  # the hosts name the cell by it too: <xla_spawn cell N>
         if cell.fresh:
             devices = cell.devices or self.devices
             worlds = [dict(w, rank_offset=w["host"] * devices, world_size=devices * len(self.hosts))
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
-                 cell.profile, hang_after) for index, world in enumerate(worlds)])
+                 cell.profile, hang_after, run_id) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
-                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after)
-                for index in range(len(self.hosts))])
-        record = self._record(cell.source, devices)
+                (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after,
+                 run_id) for index in range(len(self.hosts))])
+        record = self._record(cell.source, devices, run_id)
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
                                notebook=cell.live_lines or self.live_lines)
         try:
             values_by_host = self._follow(request)
+        except RankError as error:
+            if error.debuggable and not cell.fresh and self.state != "broken":  # %debug opens it (hosts/debugging.py)
+                kept = self.runner.post_mortem = HostsPostMortem(self, error, record.run_id)
+                error.post_mortem, error.debug_note = kept, kept.note()
+            raise
         finally:
             self.shipping.delivered(sending, request.reached())
             if cell.profile:  # every host's traces, however the cell ended (hosts/profiles.py)
@@ -337,8 +380,18 @@ class HostsPool:
         self.runner.history.last_profiled = record  # %xla_profile shows it again
         profile_view.after_cell(record)
 
+    def debug(self, rank: int, run_id: int) -> None:
+        """pdb in global ``rank``'s kept frames, on its host (hosts/debugging.py), until the debugger is left."""
+        self.check_usable()
+        host, local = divmod(rank, self.devices)
+        calls = [self.client[engine].apply_async(on_host.debug, local if index == host else None)
+                 for index, engine in enumerate(self.engines)]
+        self._follow(HostsRequest(self, calls, record=self._record(f"%debug (rank {self.label(rank)} of cell {run_id})",
+                                                                    self.devices)))
+
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         self.check_usable()
+        self.runner.release_post_mortem()
         check_names(names, user_ns)
         blob = payload.pickle_namespace({name: user_ns[name] for name in names})  # once, for every host
         calls = self._call_hosts(on_host.push, [(blob,)] * len(self.hosts))
@@ -346,6 +399,7 @@ class HostsPool:
 
     def pull(self, name: str, rank: int | None) -> Any:
         self.check_usable()
+        self.runner.release_post_mortem()
         check_rank(rank, self.world_size, "the pool across hosts")
         calls = self._call_hosts(on_host.pull, [(name,)] * len(self.hosts))
         values = self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool pull {name}", self.devices)))
@@ -373,10 +427,10 @@ class HostsPool:
             if self.state == "running":
                 self.state = "ready"
 
-    def _record(self, label: str, devices: int) -> RunRecord:
+    def _record(self, label: str, devices: int, run_id: int | None = None) -> RunRecord:
         """A run of every global rank in the session's history: the panel shows it, and can interrupt it."""
         history = self.runner.history
-        record = RunRecord(history.next_run_id(), label, self.backend, devices * len(self.hosts))
+        record = RunRecord(run_id or history.next_run_id(), label, self.backend, devices * len(self.hosts))
         record.ranks = {rank: RankState(state="running", pid=self.pids.get(rank))
                         for rank in range(devices * len(self.hosts))}
         history.remember(record)

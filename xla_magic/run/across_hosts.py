@@ -19,10 +19,11 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import stacks
-from xla_magic.display import RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic import rank_input, stacks
+from xla_magic.display import DebuggerQuit, RankError, RankFailure, RunInterrupted, TaggedOutput
+from xla_magic.hosts import link
 from xla_magic.hosts.naming import RESTART, label
-from xla_magic.hosts.on_host import NEWS, QUIET_NEWS, HostOutcome
+from xla_magic.hosts.on_host import ASKED, NEWS, QUIET_NEWS, HostOutcome
 from xla_magic.record import RunRecord
 from xla_magic.run.watch import HANG_AFTER, HangLine, confirm_after
 
@@ -64,6 +65,8 @@ class HostsRequest:
         self.hang_after = HANG_AFTER if hang_after is None else hang_after
         self.line = HangLine(notebook)
         self._news: dict[int, tuple[Any, float]] = {}  # host -> (its last news, when it came)
+        self._answered: dict[int, str] = {}  # rank -> the prompt's "where" it left: a host's later news may still say it
+        self.lost_links: dict[int, str] = {}  # host -> why its link to the kernel was lost (hosts/link.py)
         self._began = time.monotonic()
 
     def wait(self) -> list[Any]:
@@ -74,6 +77,7 @@ class HostsRequest:
                 self._collect()
                 self._show()
                 self._follow_news()
+                self._answer_questions()
                 if self.stopping is None and deadline is not None and time.monotonic() > deadline:
                     self._stop_hosts("timeout")
                 if self.stopping is None and self.record is not None and self.record.interrupt_requested:
@@ -91,6 +95,7 @@ class HostsRequest:
             if self.outcomes[index]["outcome"] != "lost":
                 call.wait_for_output(OUTPUT_PATIENCE)
         self._show(final=True)
+        self._drop_questions()
         self._keep_where(self.outcomes)
         for path in self.output.finish():
             print(f"(complete log: {path})")
@@ -223,12 +228,70 @@ class HostsRequest:
             for local, (state, where) in news["ranks"].items():
                 rank_state = record.ranks.get(index * self.devices + local)
                 if rank_state is not None and rank_state.ended is None:
-                    rank_state.state, rank_state.where = state, where
+                    stale = self._answered.get(index * self.devices + local) == where  # sent before the answer
+                    rank_state.state, rank_state.where = state, rank_state.where if stale else where
                     if state in ("done", "failed", "killed"):
                         rank_state.ended = now
         if changed:
             self.history.notify(record)
             self._judge(now)
+
+    def _answer_questions(self) -> None:
+        """Each running host's ranks' questions (input(), pdb: hosts/link.py), one at a time, asked with the
+        kernel's own input as one host asks them (rank_input.py), tagged with the global rank."""
+        for index in range(len(self.calls)):
+            each = self.pool.links.get(index)
+            if each is None or index in self.outcomes or index in self.lost_links:
+                continue
+            try:
+                frame = each.receive(0)
+                if frame is None or frame.get("kind") != link.ASK:
+                    continue
+                reply = self._ask(index, frame)
+                each.send(link.ANSWER, id=frame["id"], reply=reply)
+            except link.LinkError as exc:
+                self._lose_link(index, str(exc))
+
+    def _ask(self, index: int, question: dict[str, Any]) -> dict[str, Any]:
+        if self.stopping is not None:
+            return {"eof": rank_input.STOPPING.format(what=question["what"], who=question["who"])}
+        call = self.calls[index]
+        patience = time.monotonic() + OUTPUT_PATIENCE  # what the host's ranks printed before they asked comes first
+        while (getattr(call, "data", None) or {}).get(ASKED, 0) < question["id"] and time.monotonic() < patience:
+            call.wait(0.005)
+        self._show()
+        state = self.record.ranks.get(question["rank"]) if self.record is not None else None
+        before = state.where if state is not None else ""
+        at_prompt = rank_input.where_at(question["why"], question["line"])
+        self._answered.pop(question["rank"], None)
+        if state is not None:  # the panel's "where" at once (the host's news says the same, later)
+            state.where = at_prompt
+            self.history.notify(self.record)
+        reply = rank_input.ask_here(question)
+        if state is not None and "text" in reply:
+            state.where = before
+            self._answered[question["rank"]] = at_prompt
+        return reply
+
+    def _lose_link(self, index: int, why: str) -> None:
+        """A host whose link broke or lied: the kernel hangs up. Its engine, if alive, says so to a rank that
+        asks (an EOFError); the pool is broken once the request is over (``_drop_questions``), as for a dead
+        engine, whose death ipyparallel names meanwhile (a killed engine's link breaks first)."""
+        self.pool.links[index].close()
+        self.lost_links.setdefault(index, why)
+
+    def _drop_questions(self) -> None:
+        """Questions of calls that have ended (asked as a host was stopped): nobody waits for their answers.
+        Then every lost link breaks the pool, naming its host."""
+        for index in range(len(self.calls)):
+            each = self.pool.links.get(index)
+            try:
+                while each is not None and index not in self.lost_links and each.receive(0) is not None:
+                    pass
+            except link.LinkError as exc:
+                self._lose_link(index, str(exc))
+        for index, why in sorted(self.lost_links.items()):
+            self._broke(f"the link of host h{index} ({self.pool.hosts[index]}) to the kernel was lost ({why})")
 
     def _judge(self, now: float) -> None:
         where: dict[int, dict[str, Any]] = {}
@@ -316,8 +379,13 @@ class HostsRequest:
         summary = "; ".join(parts) + f"; {self._pool_note()}"
         if not failures:  # nothing with a traceback: say it as one failure of the first host that went wrong
             failures = [RankFailure(-1, "HostFailure", summary)]
-        return RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
-                         where=self._where(outcomes))
+        if all(failure.type == "BdbQuit" for failure in failures):  # pdb quit (q); the host said where
+            return DebuggerQuit(failures, self._results(outcomes), summary, label=_failure_label(devices))
+        error = RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
+                          where=self._where(outcomes))
+        error.debuggable = [index * devices + local for index, outcome in enumerate(outcomes)
+                            for local in outcome.get("debuggable", ())]
+        return error
 
     def _merged_stacks(self, outcomes: list[Any]) -> tuple[dict[int, dict[str, Any]], str]:
         merged: dict[int, dict[str, Any]] = {}

@@ -87,7 +87,8 @@ def answer_input(run: Any, rank: int, fields: dict[str, Any]) -> None:
     """A rank asks for a line (input(), pdb): asked here, in the cell's thread, after what it printed before."""
     run.drain([run.ranks.outputs[2 * rank], run.ranks.outputs[2 * rank + 1]])
     reply = rank_input.answer(run.ranks, run.record, run.output, rank, fields, on_update=run.on_update,
-                              stopping=run.stop_reason is not None or run.watch.capturing)  # ^C: the cell's
+                              stopping=run.stop_reason is not None or run.watch.capturing,  # ^C: the cell's
+                              ask=run.ask)
     try:
         run.ranks.send(rank, protocol.encode(protocol.INPUT_REPLY, **reply))
     except OSError:

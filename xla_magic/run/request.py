@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
+from xla_magic import rank_input
 from xla_magic.run import events, stopping, wording
 from xla_magic.run.stopping import EXIT_CODE_WAIT
 from xla_magic.display import DEFAULT_LINES_PER_RANK, LiveLines, RankFailure, RunInterrupted, TaggedOutput
@@ -62,8 +63,10 @@ class Request:
         on_update: Callable[[RunRecord], None] = lambda record: None,
         live_lines: bool = False,
         hang_after: float | None = None,
+        ask: rank_input.Ask | None = None,
     ) -> None:
         self.ranks = ranks
+        self.ask = ask  # how a rank's question is asked (rank_input.ask_here, or a host's link to the kernel)
         self.record = record
         self.seq = seq
         self.frame = frame  # None: it went with the ranks' job, or there is nothing to send (a start)
