@@ -178,6 +178,7 @@ CELLS = [
     PLOT_CELL,
     PROFILE_CELL,
     GATED_PROFILE_CELL,
+    "%xla_pool stop",
 ]
 
 
@@ -523,7 +524,9 @@ def test_a_pool_s_profiled_cell_fills_in_its_timeline_once_the_ranks_read_their_
     """In a pool the cell returns at its ranks' replies, under it a placeholder that the front end replaces with
     the timeline when the kernel updates it by its display id, from a thread, after the cell's reply."""
     with evidence(page, server, "pool profile"):
-        first_run(page, 0, CELLS.index("%xla_pool start --devices 2 --backend cpu"))
+        # Its own pool, stopped at its end whatever happens: the other tests, in any order, find none running.
+        first_run(page, 0)
+        run_and_wait(page, CELLS.index("%xla_pool start --devices 2 --backend cpu"))
         index = CELLS.index(GATED_PROFILE_CELL)
         try:
             run_and_wait(page, index)  # the cell's reply came: its prompt shows a count
@@ -535,6 +538,7 @@ def test_a_pool_s_profiled_cell_fills_in_its_timeline_once_the_ranks_read_their_
             svg.wait_for()
         finally:
             open(PROFILE_GATE, "w").close()  # never a rank left waiting
+            run_and_wait(page, CELLS.index("%xla_pool stop"))
         assert svg.locator("text", has_text="rank 0").count() == 1 and svg.locator("text", has_text="rank 1").count() == 1
         assert output.get_by_text("reading each rank's trace").count() == 0  # replaced, not added beside it
         assert output.locator(".xla-profile svg.xla-timeline").count() == 1

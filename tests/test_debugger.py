@@ -139,16 +139,26 @@ def test_debug_after_a_failed_pool_cell_opens_the_failing_ranks_frame(kernel):
 
 
 def test_several_failed_ranks_debug_opens_the_first_failure_and_xla_debug_another(kernel, tmp_path):
-    kernel.run(f"failed_first = {str(tmp_path / 'failed')!r}")
-    content, failed = kernel.run("%%xla_spawn\n"
-                                 "import os, time\n"
-                                 "if rank == 1:\n"
-                                 "    open(failed_first, 'w').close()\n"
-                                 "else:\n"
-                                 "    deadline = time.monotonic() + 60\n"
-                                 "    while not os.path.exists(failed_first) and time.monotonic() < deadline:\n"
-                                 "        time.sleep(0.001)\n"
-                                 "raise ValueError(f'rank {rank} fails')")
+    # Rank 0 fails only once the kernel has recorded rank 1's failure (a listener on the session there writes
+    # the file it waits for), so rank 1's is the first failure whatever the machine's load.
+    content, _ = kernel.run(f"failed_first = {str(tmp_path / 'failed')!r}\n"
+                            "import pathlib\n"
+                            "def _tell_rank_1_failed(record):\n"
+                            "    state = record.ranks.get(1)\n"
+                            "    if state is not None and state.state == 'failed':\n"
+                            "        pathlib.Path(failed_first).touch()\n"
+                            "get_ipython()._xla_magic_session.listeners.append(_tell_rank_1_failed)")
+    assert content["status"] == "ok"
+    try:
+        content, failed = kernel.run("%%xla_spawn\n"
+                                     "import os, time\n"
+                                     "if rank == 0:\n"
+                                     "    deadline = time.monotonic() + 60\n"
+                                     "    while not os.path.exists(failed_first) and time.monotonic() < deadline:\n"
+                                     "        time.sleep(0.001)\n"
+                                     "raise ValueError(f'rank {rank} fails')")
+    finally:
+        kernel.run("get_ipython()._xla_magic_session.listeners.remove(_tell_rank_1_failed)")
     assert "%debug opens rank 1's frame where it failed; %xla_debug --rank R opens another's (0)" in failed
     assert "[rank 1] 1\n" in asked(kernel, "%debug", ["p rank", "q"])
     text = asked(kernel, "%xla_debug --rank 0", ["p rank", "q"])
