@@ -12,7 +12,8 @@ written from their source, so the page cannot drift from it:
 The environment variables' table is prose, but the names in it must be the
 ``XLA_MAGIC_*`` names that xla_magic's code reads: a name added to the code
 and not to the page, or left on the page after the code dropped it, makes
-the page stale too.
+the page stale too. So does a default the page gives that is not the code's,
+for the variables whose default is one value in the code (``DEFAULTS``).
 
     python docs/api_reference.py          # rewrite the generated blocks in docs/environment.md
     python docs/api_reference.py --check  # exit 1 if docs/environment.md is stale
@@ -120,10 +121,48 @@ def variables_in_code() -> set[str]:
     return names
 
 
+def variables_table(text: str) -> dict[str, str]:
+    """The page's '## Environment variables' table: name -> its default column."""
+    match = re.search(r"^## Environment variables\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    rows = re.findall(r"^\| `(XLA_MAGIC_[A-Z_]+)` \| ([^|]*) \|", match.group(1), re.MULTILINE) if match else []
+    return dict(rows)
+
+
 def variables_on_page(text: str) -> set[str]:
     """The names in the page's '## Environment variables' table (first column)."""
-    match = re.search(r"^## Environment variables\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
-    return set(re.findall(r"^\| `(XLA_MAGIC_[A-Z_]+)", match.group(1), re.MULTILINE)) if match else set()
+    return set(variables_table(text))
+
+
+# Where the code holds a variable's default as one value: (file, the module-level constant), or
+# (file, None) where the code reads it as os.environ.get("NAME", "DEFAULT"). Read from the source,
+# so the rank side is never imported here.
+DEFAULTS = {
+    "XLA_MAGIC_PREWARM": ("xla_magic/__init__.py", None),
+    "XLA_MAGIC_PROFILE_LINES": ("xla_magic/launcher/profiling.py", "PERIOD_MS"),
+    "XLA_MAGIC_SHM_THRESHOLD": ("xla_magic/wire/transport.py", "DEFAULT_THRESHOLD"),
+}
+
+
+def default_in_code(variable: str) -> str:
+    path, constant = DEFAULTS[variable]
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    if constant is not None:
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == constant for target in node.targets):
+                return str(ast.literal_eval(node.value))
+    for node in ast.walk(tree):
+        if (constant is None and isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get"
+                and len(node.args) == 2 and all(isinstance(arg, ast.Constant) for arg in node.args)
+                and node.args[0].value == variable):
+            return str(node.args[1].value)
+    raise LookupError(f"{path} holds no default for {variable} where docs/api_reference.py's DEFAULTS says")
+
+
+def wrong_defaults(text: str) -> list[str]:
+    """The variables whose default on the page is not the code's, each with the code's."""
+    table = variables_table(text)
+    return [f"{name}: the code's default is `{default_in_code(name)}`, the page says {table.get(name, 'nothing')}"
+            for name in DEFAULTS if f"`{default_in_code(name)}`" not in table.get(name, "")]
 
 
 # --- the page ----------------------------------------------------------------
@@ -161,6 +200,9 @@ def stale() -> str | None:
     if code != page:
         return (f"docs/environment.md's environment variables are not the code's: add {sorted(code - page)}, "
                 f"remove {sorted(page - code)}")
+    wrong = wrong_defaults(text)
+    if wrong:
+        return "docs/environment.md's environment variables give defaults that are not the code's: " + "; ".join(wrong)
     return None
 
 

@@ -49,8 +49,9 @@ _PREFIX = re.compile(r"^xla_magic-\d+-\d+-[0-9a-f]{8}$")
 _WRITE_CHUNK = 1 << 28  # a single write(2) moves at most ~2 GiB on Linux
 _OPEN_NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-# Values smaller than this stay in the pickle.
-THRESHOLD = int(os.environ.get("XLA_MAGIC_SHM_THRESHOLD", "") or 1 << 20)
+# Values smaller than this stay in the pickle (docs/environment.md gives the default, checked against this).
+DEFAULT_THRESHOLD = 1_048_576  # 1 MiB
+THRESHOLD = int(os.environ.get("XLA_MAGIC_SHM_THRESHOLD", "") or DEFAULT_THRESHOLD)
 
 
 def shm_dir() -> str:
