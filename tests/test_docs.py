@@ -261,6 +261,35 @@ def test_the_launch_default_is_the_one_the_code_uses(ip):
     assert "ssh {host}`` by default" not in page("reference")
 
 
+def prose(name: str) -> str:
+    """A page without its fenced blocks: what the page says, not the output it quotes from a run."""
+    return re.sub(r"^ *```.*?^ *```", "", page(name), flags=re.MULTILINE | re.DOTALL)
+
+
+def test_defaults_written_in_prose_are_the_code_s():
+    """Defaults the user pages state in words, each against the constant the code reads (the reference pages are
+    generated; these are not): the hang delay, the launch template, the profile's line period, the heartbeats
+    that notice a vanished controller, the simulation's device counts."""
+    from xla_magic.hosts.discovery import DEFAULT_TEMPLATE
+    from xla_magic.pools.across_hosts import HEARTBEAT_MS, MISSES
+    from xla_magic.probe import CPU_SIMULATION_MAX
+    from xla_magic.run.watch import HANG_AFTER
+
+    said = re.search(r"`--hang-after SECONDS` on .*?\(default (\d+(?:\.\d+)?) s", prose("stuck-cells"), re.DOTALL)
+    assert said and float(said.group(1)) == HANG_AFTER, said
+    assert f"`--launch`, default\n  `{DEFAULT_TEMPLATE}`" in page("several-hosts")
+    period = int(doc_script("api_reference").default_in_code("XLA_MAGIC_PROFILE_LINES"))
+    for name in ("profiling", "several-hosts"):
+        for every, after in re.findall(r"every (\d+) ms(.{0,30})", " ".join(prose(name).split())):
+            assert int(every) == period or "the period then" in after or "the period when" in after, (
+                f"docs/{name}.md says the lines are sampled every {every} ms; the default is {period} ms")
+    assert f"sampled every {period} ms" in " ".join(prose("profiling").split())
+    heartbeats = f"after {MISSES} missed heartbeats, one a second" if HEARTBEAT_MS == 1000 else None
+    for name in ("several-hosts", "several-hosts-security"):
+        assert heartbeats and heartbeats in " ".join(prose(name).split()), f"docs/{name}.md: {MISSES} x {HEARTBEAT_MS} ms"
+    assert f"| `--devices` | 1 to {CPU_SIMULATION_MAX} (default 8) |" in page("simulation")
+
+
 def rank_strategy_members() -> set[str]:
     """Public attributes of the rank's strategy, read from its source (no import)."""
     tree = ast.parse((ROOT / "xla_magic" / "launcher" / "strategy.py").read_text(encoding="utf-8"))
