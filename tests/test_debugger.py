@@ -165,7 +165,8 @@ def test_several_failed_ranks_debug_opens_the_first_failure_and_xla_debug_anothe
     assert "%debug: rank 0 of cell" in text and "(ValueError: rank 0 fails)" in text and "[rank 0] 0\n" in text
     kernel.run("%%xla_spawn\nrank")
     content, text = kernel.run("%debug")  # the traceback IPython holds is the failed cell's, whose frames are gone
-    assert "that cell's ranks no longer hold its frames: a rank keeps them until the next cell" in text
+    assert re.search(r"cell \d+'s ranks no longer hold its frames \(another cell ran since\): run the cell again, "
+                     r"and %debug once it fails", text), text
 
 
 def test_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_pool(kernel):
@@ -175,8 +176,62 @@ def test_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_pool(kernel):
     assert kernel.prompts == [("[rank 0] wait? ", False)]
     assert content["status"] == "error" and content["ename"] == "RunInterrupted"
     assert "the pool keeps its ranks" in text and "rank 0: waiting for input (line 3)" in text
+    kernel.prompts.clear()
+    content, text = kernel.run("%debug", answers=["q"])  # not IPython's debugger in the kernel's own frames
+    assert kernel.prompts == [] and "request.py" not in text
+    assert ("the last cell was interrupted, not failed, so no rank kept a frame to debug: %xla_stacks shows where "
+            "each rank was (--locals with its values); to stop a rank at a line, put breakpoint() there") in text
     content, text = kernel.run("%%xla_spawn\nvalue")
     assert content["status"] == "ok" and "[0, 1]" in text
+
+
+def test_interrupt_at_the_debuggers_prompt_stops_the_rank_and_does_not_fail_it(kernel):
+    kernel.prompts.clear()
+    content, text = kernel.run("%%xla_spawn\nvalue = rank\nif rank == 0:\n    breakpoint()\n    value = -1\nvalue",
+                               on_prompt=lambda k, prompt: k.manager.interrupt_kernel())
+    assert kernel.prompts == [("[rank 0] (Pdb) ", False)]
+    assert content["status"] == "error" and content["ename"] == "RunInterrupted", text
+    assert "rank 0: in the debugger (line 4)" in text and "BdbQuit" not in text, text
+    content, text = kernel.run("[(s.state, s.where) for s in get_ipython()._xla_magic_session.history[-1].ranks.values()]")
+    assert text.startswith("[('killed', 'in the debugger (line 4)'), ("), text  # stopped, not failed
+    content, text = kernel.run("%%xla_spawn\nvalue")
+    assert content["status"] == "ok" and "[0, 1]" in text
+
+
+def test_debug_and_xla_debug_with_nothing_to_open_say_why_and_what_to_do(kernel):
+    content, failed = kernel.run("%%xla_spawn\nvalue = rank\nif rank == 1:\n    raise ValueError('one')")
+    cell = re.search(r'File "<xla_spawn cell (\d+)>"', failed)[1]
+    for line, said in (("--rank abc", "--rank takes a rank's number, like --rank 1, not 'abc'"),
+                       ("--rank -1", "--rank takes a rank's number, 0 or more, not -1"),
+                       ("--rank 2", f"cell {cell} ran on ranks 0-1, so it has no rank 2; %xla_debug --rank 1 opens "
+                                    f"the frame of a rank that failed")):
+        content, text = kernel.run(f"%xla_debug {line}")
+        assert content["status"] == "error" and content["ename"] == "UsageError" and said in text, text
+    kernel.run("%%xla_spawn\nvalue")  # a cell that works: the failed one's frames are let go
+    kernel.prompts.clear()
+    for magic in ("%xla_debug", "%debug"):  # %debug after the refused magic: not IPython's debugger in our code
+        content, text = kernel.run(magic, answers=["q"])
+        assert (f"cell {cell}'s ranks no longer hold its frames (another cell ran since): run the cell again, and "
+                f"%debug once it fails") in text, text
+    assert kernel.prompts == []
+    content, failed = kernel.run("%%xla_spawn\nraise ValueError(rank)")
+    cell = re.search(r'File "<xla_spawn cell (\d+)>"', failed)[1]
+    content, text = kernel.run("%xla_pool restart")
+    assert content["status"] == "ok", text
+    content, text = kernel.run("%debug", answers=["q"])
+    assert f"cell {cell}'s ranks no longer hold its frames (new ranks started since)" in text, text
+    assert kernel.prompts == []
+
+
+def test_debug_after_the_pool_was_stopped_says_so(pool, ip):
+    with capture_output() as failed:
+        ip.run_cell("%%xla_spawn\nraise ValueError(rank)")
+        ip.run_line_magic("xla_pool", "stop")
+    cell = re.search(r'File "<xla_spawn cell (\d+)>"', failed.stdout)[1]
+    with capture_output() as refused:
+        ip.run_cell("%debug")
+    assert (f"cell {cell}'s ranks no longer hold its frames (the pool was stopped): run the cell again, and %debug "
+            f"once it fails") in refused.stdout + refused.stderr
 
 
 def test_debug_after_a_failed_one_shot_cell_keeps_its_process_until_the_debugger_is_left(kernel):
@@ -270,6 +325,22 @@ def test_tpu_launch_path_rank_threads_ask_and_debug_through_the_terminal(thread_
     assert "[rank 0] who? " in captured.stdout and "[rank 1] (Pdb) " in captured.stdout
     assert "[rank 1] 4\n" in captured.stdout
     assert sorted(terminal.prompts) == ["[rank 0] who? ", "[rank 1] (Pdb) ", "[rank 1] (Pdb) "]
+    with capture_output() as failed:  # a rank thread that failed keeps its frame too, in the pool
+        ip.run_cell("%%xla_spawn\nif rank == 1:\n    raise ValueError(f'step {step}')")
+    assert "%debug opens rank 1's frame where it failed: the rank keeps it until the next cell." in failed.stdout
+    terminal = Terminal({"[rank 1] (Pdb) ": ["p step", "p threading.current_thread().name", "q"]})
+    monkeypatch.setattr(sys, "stdin", terminal)
+    with capture_output() as shown:
+        ip.run_cell("%debug")
+    assert "[rank 1] -> raise ValueError(f'step {step}')\n[rank 1] (Pdb) [rank 1] 4\n" in shown.stdout, shown.stdout
+    assert "[rank 1] 'MainThread'" not in shown.stdout and terminal.prompts == ["[rank 1] (Pdb) "] * 3
+    with capture_output() as failed:  # a one-shot cell's rank threads end with it, and %debug says what to do
+        ip.run_cell("%%xla_spawn --fresh --devices 2 --backend tpu\nraise ValueError(rank)")
+    assert "ValueError: 1" in failed.stdout and "%debug opens" not in failed.stdout
+    with capture_output() as refused:
+        ip.run_cell("%debug")
+    assert ("that cell's ranks were threads of one process (the tpu launch path), which ends with its cell: run it "
+            "in a pool (%xla_pool start), where a failed rank keeps its frames for %debug") in refused.stdout + refused.stderr
 
 
 def test_the_watchdog_and_the_panel_know_a_rank_is_in_the_debugger(pool, ip, monkeypatch):
