@@ -65,6 +65,10 @@ def test_input_without_stdin_in_the_frontend_is_an_eof_error_that_says_why(kerne
     assert content["status"] == "error"
     assert ("[rank 1] EOFError: this frontend sends no input to the kernel (allow_stdin is off, as in nbconvert "
             "and nbclient runs), so nothing can answer input() on rank 1") in text
+    cell = re.search(r'File "<xla_spawn cell (\d+)>", line 2', text)[1]
+    text = asked(kernel, "%debug", ["p rank", "q"])  # at the cell's line that called input(), as in a plain cell
+    assert f"[rank 1] > <xla_spawn cell {cell}>(2)<module>()\n[rank 1] -> input('x? ')\n[rank 1] 1\n" in text, text
+    assert "debugger.py" not in text
     content, text = kernel.run("%%xla_spawn\nrank")
     assert content["status"] == "ok" and "[0, 1]" in text  # the pool goes on
 

@@ -34,6 +34,7 @@ from xla_magic.wire import protocol
 CELL_FILE = "<xla_spawn cell"
 REPLY_POLL = 0.2  # a rank thread takes an interrupt between bytecodes, so it waits for the reply in slices
 _DEBUGGER_FILES = ("/pdb.py", "/bdb.py", "/cmd.py")
+_THIS_FILE = os.path.join("xla_magic", "launcher", "debugger.py")  # input() and getpass, as the rank asks
 
 _consoles = threading.local()
 _process_console: Console | None = None
@@ -194,11 +195,25 @@ def keeps(exc: BaseException) -> bool:
 
 
 def from_cell(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback from the cell's first frame on: pdb's ``up`` stops at the cell, not in the rank's loop."""
+    """The traceback from the cell's first frame on: pdb's ``up`` stops at the cell, not in the rank's loop.
+
+    Without our input() underneath (this module's frames last): an EOFError from ``input()`` opens at the
+    cell's line that called it, as a plain cell's builtin input() does.
+    """
     start = tb
     while start is not None and not start.tb_frame.f_code.co_filename.startswith(CELL_FILE):
         start = start.tb_next
-    return start or tb
+    start = start or tb
+    entries = []
+    while start is not None:
+        entries.append(start)
+        start = start.tb_next
+    while len(entries) > 1 and entries[-1].tb_frame.f_code.co_filename.endswith(_THIS_FILE):
+        entries.pop()
+    trimmed = None
+    for entry in reversed(entries):  # a copy: the exception keeps its own traceback
+        trimmed = types.TracebackType(trimmed, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return trimmed
 
 
 def post_mortem(tb: types.TracebackType) -> None:
