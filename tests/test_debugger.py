@@ -13,12 +13,14 @@ from __future__ import annotations
 import io
 import re
 import sys
+import time
 
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Kernel, alive, wait_gone
+from helpers import Kernel, alive, wait_for, wait_gone
 from xla_magic import stacks
+from xla_magic.display import RankError
 
 
 @pytest.fixture(scope="module")
@@ -375,3 +377,30 @@ def test_the_watchdog_and_the_panel_know_a_rank_is_in_the_debugger(pool, ip, mon
                1: {"phase": "cell", "frames": [], "doing": {"kind": "collective", "call": "xm.rendezvous('after')",
                                                             "line": 5}}}
     assert stacks.hang(answers, {0: 600.0, 1: 600.0}, hang_after=0.5, confirm=0.5) is None
+
+
+def test_time_at_the_prompt_is_not_the_cells_and_a_timeout_after_c_is_a_timeout(pool, ip, monkeypatch):
+    """--timeout counts the cell's time, not the person's at its prompt; a timeout once pdb continued stops the
+    cell as a timeout (pdb's `c` does not take the rank's SIGINT for itself)."""
+    timeout = 2.0
+    started: list[float] = []
+
+    def past_the_timeout() -> None:  # the person at the prompt for longer than the cell may run
+        assert wait_for(lambda: time.monotonic() - started[0] > 2 * timeout, within=60)
+
+    monkeypatch.setattr(sys, "stdin", Terminal({"[rank 0] (Pdb) ": ["p step", "c"]}, before_each=past_the_timeout))
+    started.append(time.monotonic())
+    with capture_output():
+        value = ip.run_cell_magic("xla_spawn", f"--timeout {timeout:g}",
+                                  "step = rank + 3\nif rank == 0:\n    breakpoint()\n    step += 10\nstep")
+    assert value == [13, 4] and time.monotonic() - started[0] > 2 * timeout
+    monkeypatch.setattr(sys, "stdin", Terminal({"[rank 0] (Pdb) ": ["c"]}))
+    with capture_output() as shown, pytest.raises(RankError) as stopped:
+        ip.run_cell_magic("xla_spawn", f"--timeout {timeout:g}",
+                          "import time\nif rank == 0:\n    breakpoint()\n    time.sleep(600)\ntime.sleep(600)")
+    assert str(stopped.value).startswith(f"timed out after {timeout:g} s (--timeout)"), stopped.value
+    assert "rank 0: sleeping in time.sleep (line 4)" in stopped.value.where, stopped.value.where
+    assert "Program interrupted" not in shown.stdout and "the debugger was quit" not in shown.stdout, shown.stdout
+    with capture_output():
+        assert ip.run_cell_magic("xla_spawn", "", "step") == [13, 4]  # the pool goes on
+

@@ -53,7 +53,13 @@ class Console:
     def ask(self, prompt: str, password: bool = False) -> str:
         """The line the kernel's user typed at ``prompt``; EOFError (with the kernel's reason) when there is none."""
         server = self.server
-        why, line = ("debugger", _debugger_line()) if _in_debugger() else ("input", _cell_line())
+        in_debugger = _in_debugger()
+        debugger = _debugger() if in_debugger else None
+        if debugger is not None:
+            # pdb's `c` would take SIGINT for itself (Ctrl-C breaks into pdb in a terminal), in this rank
+            # process for good: the kernel's interrupt and --timeout must stop the cell, as anywhere else.
+            debugger.nosigint = True
+        why, line = ("debugger", _debugger_line(debugger)) if in_debugger else ("input", _cell_line())
         server.flush_output()  # what the cell printed comes before the prompt
         self.asking = (why, line)
         try:
@@ -174,15 +180,22 @@ def _cell_line(frame: types.FrameType | None = None) -> int | None:
     return None
 
 
-def _debugger_line() -> int | None:
-    """The cell line pdb is showing (its current frame: a post-mortem has no cell frame on the stack)."""
+def _debugger() -> pdb.Pdb | None:
+    """The pdb asking on this thread: the one whose command loop is on the stack."""
     frame = sys._getframe(1)
     while frame is not None:
         debugger = frame.f_locals.get("self") if frame.f_code.co_name in ("cmdloop", "interaction") else None
-        if isinstance(debugger, pdb.Pdb) and getattr(debugger, "curframe", None) is not None:
-            current_frame = debugger.curframe
-            return current_frame.f_lineno if current_frame.f_code.co_filename.startswith(CELL_FILE) else None
+        if isinstance(debugger, pdb.Pdb):
+            return debugger
         frame = frame.f_back
+    return None
+
+
+def _debugger_line(debugger: pdb.Pdb | None) -> int | None:
+    """The cell line pdb is showing (its current frame: a post-mortem has no cell frame on the stack)."""
+    current_frame = getattr(debugger, "curframe", None)
+    if current_frame is not None:
+        return current_frame.f_lineno if current_frame.f_code.co_filename.startswith(CELL_FILE) else None
     return _cell_line()
 
 
