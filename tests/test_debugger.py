@@ -256,6 +256,53 @@ def test_debug_after_a_failed_one_shot_cell_keeps_its_process_until_the_debugger
     assert wait_gone([pid]) == []  # left the debugger: the process goes
 
 
+def answering(kernel: Kernel, code: str, typed: dict[str, list[str]]) -> tuple[dict, str]:
+    """Run ``code``, answering each prompt with the next line typed for it (prompts may come in any order)."""
+    left = {prompt: list(lines) for prompt, lines in typed.items()}
+    kernel.prompts.clear()
+    content, text = kernel.run(code, on_prompt=lambda k, prompt: k.client.input(left[prompt].pop(0)))
+    assert all(not lines for lines in left.values()), (left, text)
+    return content, text
+
+
+def test_a_one_shot_cell_asks_and_stops_at_breakpoint_as_a_pool_cell_does(kernel):
+    content, text = answering(kernel, "%%xla_spawn --fresh --devices 2 --backend cpu\n"
+                              "step = rank + 3\n"
+                              "name = input('who? ') if rank == 1 else None\n"
+                              "if rank == 0:\n"
+                              "    breakpoint()\n"
+                              "    step += 10\n"
+                              "(name, step)", {"[rank 1] who? ": ["Lin"], "[rank 0] (Pdb) ": ["p step", "c"]})
+    assert content["status"] == "ok", text
+    assert "[rank 0] -> step += 10\n" in text and "[rank 0] 3\n" in text
+    assert "[(None, 13), ('Lin', 4)]" in text
+
+
+def test_interrupt_at_a_one_shot_cells_prompt_ends_its_ranks(kernel):
+    kernel.prompts.clear()
+    content, text = kernel.run("%%xla_spawn --fresh --devices 2 --backend cpu\n"
+                               "value = input('wait? ') if rank == 0 else rank\n"
+                               "value", on_prompt=lambda k, prompt: k.manager.interrupt_kernel())
+    assert kernel.prompts == [("[rank 0] wait? ", False)]
+    assert content["status"] == "error" and content["ename"] == "RunInterrupted", text
+    assert "rank 0: waiting for input (line 1)" in text
+    content, text = kernel.run("[state.pid for state in get_ipython()._xla_magic_session.history[-1].ranks.values()]")
+    pids = [int(pid) for pid in re.findall(r"\d+", text)]
+    assert len(pids) == 2 and wait_gone(pids) == []
+
+
+def test_the_spmd_process_asks_and_stops_at_breakpoint(kernel):
+    content, text = answering(kernel, "%%xla_spawn --fresh --spmd --devices 2 --backend cpu\n"
+                              "word = input('word? ')\n"
+                              "breakpoint()\n"
+                              "twice = word * 2\n"
+                              "twice", {"[spmd] word? ": ["ab"],
+                                         "[spmd] (Pdb) ": ["p word", "p len(mesh.device_ids)", "c"]})
+    assert content["status"] == "ok", text
+    assert "[spmd] -> twice = word * 2\n" in text
+    assert "[spmd] 'ab'\n" in text and "[spmd] 2\n" in text and "'abab'" in text
+
+
 def test_a_parked_one_shot_rank_is_gone_before_the_next_cell_starts(kernel):
     content, failed = kernel.run("%%xla_spawn --fresh --devices 2 --backend cpu\n"
                                  "import os\n"
@@ -403,4 +450,3 @@ def test_time_at_the_prompt_is_not_the_cells_and_a_timeout_after_c_is_a_timeout(
     assert "Program interrupted" not in shown.stdout and "the debugger was quit" not in shown.stdout, shown.stdout
     with capture_output():
         assert ip.run_cell_magic("xla_spawn", "", "step") == [13, 4]  # the pool goes on
-
