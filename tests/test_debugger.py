@@ -13,12 +13,14 @@ from __future__ import annotations
 import io
 import re
 import sys
+import time
 
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Kernel, alive, wait_gone
+from helpers import Kernel, alive, wait_for, wait_gone
 from xla_magic import stacks
+from xla_magic.display import RankError
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,10 @@ def test_input_without_stdin_in_the_frontend_is_an_eof_error_that_says_why(kerne
     assert content["status"] == "error"
     assert ("[rank 1] EOFError: this frontend sends no input to the kernel (allow_stdin is off, as in nbconvert "
             "and nbclient runs), so nothing can answer input() on rank 1") in text
+    cell = re.search(r'File "<xla_spawn cell (\d+)>", line 2', text)[1]
+    text = asked(kernel, "%debug", ["p rank", "q"])  # at the cell's line that called input(), as in a plain cell
+    assert f"[rank 1] > <xla_spawn cell {cell}>(2)<module>()\n[rank 1] -> input('x? ')\n[rank 1] 1\n" in text, text
+    assert "debugger.py" not in text
     content, text = kernel.run("%%xla_spawn\nrank")
     assert content["status"] == "ok" and "[0, 1]" in text  # the pool goes on
 
@@ -165,7 +171,8 @@ def test_several_failed_ranks_debug_opens_the_first_failure_and_xla_debug_anothe
     assert "%debug: rank 0 of cell" in text and "(ValueError: rank 0 fails)" in text and "[rank 0] 0\n" in text
     kernel.run("%%xla_spawn\nrank")
     content, text = kernel.run("%debug")  # the traceback IPython holds is the failed cell's, whose frames are gone
-    assert "that cell's ranks no longer hold its frames: a rank keeps them until the next cell" in text
+    assert re.search(r"cell \d+'s ranks no longer hold its frames \(another cell ran since\): run the cell again, "
+                     r"and %debug once it fails", text), text
 
 
 def test_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_pool(kernel):
@@ -175,8 +182,62 @@ def test_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_pool(kernel):
     assert kernel.prompts == [("[rank 0] wait? ", False)]
     assert content["status"] == "error" and content["ename"] == "RunInterrupted"
     assert "the pool keeps its ranks" in text and "rank 0: waiting for input (line 3)" in text
+    kernel.prompts.clear()
+    content, text = kernel.run("%debug", answers=["q"])  # not IPython's debugger in the kernel's own frames
+    assert kernel.prompts == [] and "request.py" not in text
+    assert ("the last cell was interrupted, not failed, so no rank kept a frame to debug: %xla_stacks shows where "
+            "each rank was (--locals with its values); to stop a rank at a line, put breakpoint() there") in text
     content, text = kernel.run("%%xla_spawn\nvalue")
     assert content["status"] == "ok" and "[0, 1]" in text
+
+
+def test_interrupt_at_the_debuggers_prompt_stops_the_rank_and_does_not_fail_it(kernel):
+    kernel.prompts.clear()
+    content, text = kernel.run("%%xla_spawn\nvalue = rank\nif rank == 0:\n    breakpoint()\n    value = -1\nvalue",
+                               on_prompt=lambda k, prompt: k.manager.interrupt_kernel())
+    assert kernel.prompts == [("[rank 0] (Pdb) ", False)]
+    assert content["status"] == "error" and content["ename"] == "RunInterrupted", text
+    assert "rank 0: in the debugger (line 4)" in text and "BdbQuit" not in text, text
+    content, text = kernel.run("[(s.state, s.where) for s in get_ipython()._xla_magic_session.history[-1].ranks.values()]")
+    assert text.startswith("[('killed', 'in the debugger (line 4)'), ("), text  # stopped, not failed
+    content, text = kernel.run("%%xla_spawn\nvalue")
+    assert content["status"] == "ok" and "[0, 1]" in text
+
+
+def test_debug_and_xla_debug_with_nothing_to_open_say_why_and_what_to_do(kernel):
+    content, failed = kernel.run("%%xla_spawn\nvalue = rank\nif rank == 1:\n    raise ValueError('one')")
+    cell = re.search(r'File "<xla_spawn cell (\d+)>"', failed)[1]
+    for line, said in (("--rank abc", "--rank takes a rank's number, like --rank 1, not 'abc'"),
+                       ("--rank -1", "--rank takes a rank's number, 0 or more, not -1"),
+                       ("--rank 2", f"cell {cell} ran on ranks 0-1, so it has no rank 2; %xla_debug --rank 1 opens "
+                                    f"the frame of a rank that failed")):
+        content, text = kernel.run(f"%xla_debug {line}")
+        assert content["status"] == "error" and content["ename"] == "UsageError" and said in text, text
+    kernel.run("%%xla_spawn\nvalue")  # a cell that works: the failed one's frames are let go
+    kernel.prompts.clear()
+    for magic in ("%xla_debug", "%debug"):  # %debug after the refused magic: not IPython's debugger in our code
+        content, text = kernel.run(magic, answers=["q"])
+        assert (f"cell {cell}'s ranks no longer hold its frames (another cell ran since): run the cell again, and "
+                f"%debug once it fails") in text, text
+    assert kernel.prompts == []
+    content, failed = kernel.run("%%xla_spawn\nraise ValueError(rank)")
+    cell = re.search(r'File "<xla_spawn cell (\d+)>"', failed)[1]
+    content, text = kernel.run("%xla_pool restart")
+    assert content["status"] == "ok", text
+    content, text = kernel.run("%debug", answers=["q"])
+    assert f"cell {cell}'s ranks no longer hold its frames (new ranks started since)" in text, text
+    assert kernel.prompts == []
+
+
+def test_debug_after_the_pool_was_stopped_says_so(pool, ip):
+    with capture_output() as failed:
+        ip.run_cell("%%xla_spawn\nraise ValueError(rank)")
+        ip.run_line_magic("xla_pool", "stop")
+    cell = re.search(r'File "<xla_spawn cell (\d+)>"', failed.stdout)[1]
+    with capture_output() as refused:
+        ip.run_cell("%debug")
+    assert (f"cell {cell}'s ranks no longer hold its frames (the pool was stopped): run the cell again, and %debug "
+            f"once it fails") in refused.stdout + refused.stderr
 
 
 def test_debug_after_a_failed_one_shot_cell_keeps_its_process_until_the_debugger_is_left(kernel):
@@ -193,6 +254,53 @@ def test_debug_after_a_failed_one_shot_cell_keeps_its_process_until_the_debugger
     text = asked(kernel, "%debug", ["p pid", "q"])
     assert f"[rank 1] {pid}\n" in text
     assert wait_gone([pid]) == []  # left the debugger: the process goes
+
+
+def answering(kernel: Kernel, code: str, typed: dict[str, list[str]]) -> tuple[dict, str]:
+    """Run ``code``, answering each prompt with the next line typed for it (prompts may come in any order)."""
+    left = {prompt: list(lines) for prompt, lines in typed.items()}
+    kernel.prompts.clear()
+    content, text = kernel.run(code, on_prompt=lambda k, prompt: k.client.input(left[prompt].pop(0)))
+    assert all(not lines for lines in left.values()), (left, text)
+    return content, text
+
+
+def test_a_one_shot_cell_asks_and_stops_at_breakpoint_as_a_pool_cell_does(kernel):
+    content, text = answering(kernel, "%%xla_spawn --fresh --devices 2 --backend cpu\n"
+                              "step = rank + 3\n"
+                              "name = input('who? ') if rank == 1 else None\n"
+                              "if rank == 0:\n"
+                              "    breakpoint()\n"
+                              "    step += 10\n"
+                              "(name, step)", {"[rank 1] who? ": ["Lin"], "[rank 0] (Pdb) ": ["p step", "c"]})
+    assert content["status"] == "ok", text
+    assert "[rank 0] -> step += 10\n" in text and "[rank 0] 3\n" in text
+    assert "[(None, 13), ('Lin', 4)]" in text
+
+
+def test_interrupt_at_a_one_shot_cells_prompt_ends_its_ranks(kernel):
+    kernel.prompts.clear()
+    content, text = kernel.run("%%xla_spawn --fresh --devices 2 --backend cpu\n"
+                               "value = input('wait? ') if rank == 0 else rank\n"
+                               "value", on_prompt=lambda k, prompt: k.manager.interrupt_kernel())
+    assert kernel.prompts == [("[rank 0] wait? ", False)]
+    assert content["status"] == "error" and content["ename"] == "RunInterrupted", text
+    assert "rank 0: waiting for input (line 1)" in text
+    content, text = kernel.run("[state.pid for state in get_ipython()._xla_magic_session.history[-1].ranks.values()]")
+    pids = [int(pid) for pid in re.findall(r"\d+", text)]
+    assert len(pids) == 2 and wait_gone(pids) == []
+
+
+def test_the_spmd_process_asks_and_stops_at_breakpoint(kernel):
+    content, text = answering(kernel, "%%xla_spawn --fresh --spmd --devices 2 --backend cpu\n"
+                              "word = input('word? ')\n"
+                              "breakpoint()\n"
+                              "twice = word * 2\n"
+                              "twice", {"[spmd] word? ": ["ab"],
+                                         "[spmd] (Pdb) ": ["p word", "p len(mesh.device_ids)", "c"]})
+    assert content["status"] == "ok", text
+    assert "[spmd] -> twice = word * 2\n" in text
+    assert "[spmd] 'ab'\n" in text and "[spmd] 2\n" in text and "'abab'" in text
 
 
 def test_a_parked_one_shot_rank_is_gone_before_the_next_cell_starts(kernel):
@@ -270,6 +378,22 @@ def test_tpu_launch_path_rank_threads_ask_and_debug_through_the_terminal(thread_
     assert "[rank 0] who? " in captured.stdout and "[rank 1] (Pdb) " in captured.stdout
     assert "[rank 1] 4\n" in captured.stdout
     assert sorted(terminal.prompts) == ["[rank 0] who? ", "[rank 1] (Pdb) ", "[rank 1] (Pdb) "]
+    with capture_output() as failed:  # a rank thread that failed keeps its frame too, in the pool
+        ip.run_cell("%%xla_spawn\nif rank == 1:\n    raise ValueError(f'step {step}')")
+    assert "%debug opens rank 1's frame where it failed: the rank keeps it until the next cell." in failed.stdout
+    terminal = Terminal({"[rank 1] (Pdb) ": ["p step", "p threading.current_thread().name", "q"]})
+    monkeypatch.setattr(sys, "stdin", terminal)
+    with capture_output() as shown:
+        ip.run_cell("%debug")
+    assert "[rank 1] -> raise ValueError(f'step {step}')\n[rank 1] (Pdb) [rank 1] 4\n" in shown.stdout, shown.stdout
+    assert "[rank 1] 'MainThread'" not in shown.stdout and terminal.prompts == ["[rank 1] (Pdb) "] * 3
+    with capture_output() as failed:  # a one-shot cell's rank threads end with it, and %debug says what to do
+        ip.run_cell("%%xla_spawn --fresh --devices 2 --backend tpu\nraise ValueError(rank)")
+    assert "ValueError: 1" in failed.stdout and "%debug opens" not in failed.stdout
+    with capture_output() as refused:
+        ip.run_cell("%debug")
+    assert ("that cell's ranks were threads of one process (the tpu launch path), which ends with its cell: run it "
+            "in a pool (%xla_pool start), where a failed rank keeps its frames for %debug") in refused.stdout + refused.stderr
 
 
 def test_the_watchdog_and_the_panel_know_a_rank_is_in_the_debugger(pool, ip, monkeypatch):
@@ -300,3 +424,29 @@ def test_the_watchdog_and_the_panel_know_a_rank_is_in_the_debugger(pool, ip, mon
                1: {"phase": "cell", "frames": [], "doing": {"kind": "collective", "call": "xm.rendezvous('after')",
                                                             "line": 5}}}
     assert stacks.hang(answers, {0: 600.0, 1: 600.0}, hang_after=0.5, confirm=0.5) is None
+
+
+def test_time_at_the_prompt_is_not_the_cells_and_a_timeout_after_c_is_a_timeout(pool, ip, monkeypatch):
+    """--timeout counts the cell's time, not the person's at its prompt; a timeout once pdb continued stops the
+    cell as a timeout (pdb's `c` does not take the rank's SIGINT for itself)."""
+    timeout = 2.0
+    started: list[float] = []
+
+    def past_the_timeout() -> None:  # the person at the prompt for longer than the cell may run
+        assert wait_for(lambda: time.monotonic() - started[0] > 2 * timeout, within=60)
+
+    monkeypatch.setattr(sys, "stdin", Terminal({"[rank 0] (Pdb) ": ["p step", "c"]}, before_each=past_the_timeout))
+    started.append(time.monotonic())
+    with capture_output():
+        value = ip.run_cell_magic("xla_spawn", f"--timeout {timeout:g}",
+                                  "step = rank + 3\nif rank == 0:\n    breakpoint()\n    step += 10\nstep")
+    assert value == [13, 4] and time.monotonic() - started[0] > 2 * timeout
+    monkeypatch.setattr(sys, "stdin", Terminal({"[rank 0] (Pdb) ": ["c"]}))
+    with capture_output() as shown, pytest.raises(RankError) as stopped:
+        ip.run_cell_magic("xla_spawn", f"--timeout {timeout:g}",
+                          "import time\nif rank == 0:\n    breakpoint()\n    time.sleep(600)\ntime.sleep(600)")
+    assert str(stopped.value).startswith(f"timed out after {timeout:g} s (--timeout)"), stopped.value
+    assert "rank 0: sleeping in time.sleep (line 4)" in stopped.value.where, stopped.value.where
+    assert "Program interrupted" not in shown.stdout and "the debugger was quit" not in shown.stdout, shown.stdout
+    with capture_output():
+        assert ip.run_cell_magic("xla_spawn", "", "step") == [13, 4]  # the pool goes on

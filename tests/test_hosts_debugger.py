@@ -17,7 +17,7 @@ import psutil
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Kernel, pool_magic
+from helpers import Kernel, Listening, pool_magic, press_stop
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module, start_line, wait_until_empty  # noqa: F401
 from tests.test_debugger import Terminal
 from xla_magic import widget
@@ -133,6 +133,51 @@ def test_an_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_pool(ip, pool, m
     with capture_output():
         assert ip.run_cell_magic("xla_spawn", "", "value") == [0, 1, 2, 3]
     assert pool.state == "ready"
+
+
+def test_xla_stacks_locals_shows_each_hosts_ranks_values_where_they_wait_apart(ip, pool):
+    """h1 r3 sleeps while the others wait at a rendezvous: --locals shows each one's own step under its cell frame."""
+    session = ip._xla_magic_session
+    pressed = threading.Event()
+
+    def stop_once_in_place(record) -> None:
+        if not pressed.is_set() and sum("in place" in s.last_line for s in record.ranks.values()) == 4:
+            pressed.set()
+            threading.Thread(target=press_stop, daemon=True).start()
+
+    with Listening(session, stop_once_in_place), capture_output(), pytest.raises(RunInterrupted):
+        ip.run_cell_magic("xla_spawn", "--timeout 240", "import time, torch, torch_xla.core.xla_model as xm\n"
+                          "step = rank + 3\n"
+                          "batch = torch.zeros(2, 5, device=device)\n"
+                          "print('in place', flush=True)\n"
+                          "if rank == 3:\n"
+                          "    time.sleep(600)\n"
+                          "xm.rendezvous('apart')\n")
+    with capture_output() as shown:
+        ip.run_line_magic("xla_stacks", "--locals")
+    lines = shown.stdout.splitlines()
+
+    def block(header: str) -> list[str]:
+        start = next(i for i, line in enumerate(lines) if line.endswith(header))
+        end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+        return lines[start:end]
+
+    sleeping = block("h1 r3: sleeping in time.sleep (line 6)")
+    assert "        step = 6" in sleeping and "        batch = tensor(float32, [2, 5], xla:0)" in sleeping, sleeping
+    for rank, label in ((0, "h0 r0"), (1, "h0 r1"), (2, "h1 r2")):
+        waiting = block(f"{label}: waiting in xm.rendezvous('apart') (line 7)")
+        assert f"        step = {rank + 3}" in waiting, waiting
+    assert "0., 0." not in shown.stdout and "tensor([" not in shown.stdout  # never a tensor's values
+
+
+def test_debug_after_a_fresh_cell_across_hosts_failed_says_to_run_it_in_the_pool(ip, pool):
+    with capture_output() as failed:
+        ip.run_cell("%%xla_spawn --fresh\nif rank == 2:\n    raise ValueError('h1 r2')")
+    assert "ValueError: h1 r2" in failed.stdout and "%debug opens" not in failed.stdout, failed.stdout
+    with capture_output() as refused:
+        ip.run_cell("%debug")
+    assert ("that cell ran in --fresh ranks across hosts, which end with it: run it in the pool across hosts to "
+            "debug it") in refused.stdout + refused.stderr
 
 
 def test_the_link_refuses_a_wrong_token_and_a_replayed_frame():

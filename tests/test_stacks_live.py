@@ -103,6 +103,28 @@ def test_a_rank_in_a_c_call_that_holds_the_gil_is_named(ip):
     assert block(error, "rank 0")[:2] == ["rank 0: sleeping in time.sleep (line 5)", "    line 5: time.sleep(600)"]
 
 
+def test_a_rank_in_a_c_call_beside_one_waiting_in_a_collective_names_both(ip):
+    """Rank 0 waits in a rendezvous past --hang-after while rank 1 holds the GIL in a C call: the watchdog's
+    line names both, each where it is."""
+    cell = (
+        "import re, torch_xla.core.xla_model as xm\n"
+        "print('in place', flush=True)\n"
+        "if rank == 1:\n"
+        "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+        "xm.rendezvous('late')\n"
+    )
+    # --timeout bounds a failure only: without the line, the cell ends timed out rather than interrupted
+    error, shown = interrupted(ip, f"--devices 2 --hang-after {HANG_AFTER:g} --timeout {DEADLINE:g}", cell,
+                               lambda record: record.hang is not None)
+    said = (r"xla_magic: likely a hang: rank 0 has waited \d+ s in xm.rendezvous\('late'\) \(line 5\); rank 1 has "
+            r"not answered for \d+ s: busy in native code that holds the GIL\. ")
+    line = ip._xla_magic_session.history[-1].hang
+    assert re.match(said, line), line
+    assert re.search(f"^{said}", shown, re.MULTILINE), shown  # printed under the cell, in a terminal
+    assert block(error, "rank 0")[0] == "rank 0: waiting in xm.rendezvous('late') (line 5)"
+    assert block(error, "rank 1")[0] == "rank 1: did not answer: busy in native code that holds the GIL"
+
+
 def test_tpu_launch_path_rank_threads_each_say_where_they_are(ip, monkeypatch):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     cell = (

@@ -326,6 +326,7 @@ class RankError(Exception):
         self.debuggable: list[int] = []  # the failed ranks that keep their cell's frames for %debug, first failure first
         self.post_mortem: object = None  # what %debug opens (post_mortem.PostMortem), once the runner kept it
         self.debug_note = ""  # the line that says so
+        self.not_kept = ""  # when no rank kept them: why, and what to do instead (post_mortem.why_not)
         ranks = ", ".join(str(f.rank) for f in self.failures)
         headline = summary or f"rank(s) {ranks} failed"
         super().__init__(f"{headline}: {self.failures[0].headline()}" if self.failures else headline)

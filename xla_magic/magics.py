@@ -16,7 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
-from xla_magic.display import RankError, in_notebook, syntax_error_in_cell
+from xla_magic.display import CellSyntaxError, RankError, RunInterrupted, in_notebook, syntax_error_in_cell
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
 from xla_magic.pools.interface import PoolOptions
@@ -45,6 +45,31 @@ def seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--timeout must be more than 0 seconds, not {text}")
     return value
+
+
+def rank_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rank takes a rank's number, like --rank 1, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--rank takes a rank's number, 0 or more, not {value}")
+    return value
+
+
+INTERRUPTED = ("the last cell was interrupted, not failed, so no rank kept a frame to debug: %xla_stacks shows where "
+               "each rank was (--locals with its values); to stop a rank at a line, put breakpoint() there and run "
+               "the cell again")
+
+
+def _raised_here(tb: Any) -> bool:
+    """Whether an error was raised by this package in the kernel (a refused magic, a cell that does not
+    compile): IPython's %debug would open our frames, not the user's."""
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").startswith("xla_magic."):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def hang_seconds(text: str) -> float:
@@ -271,7 +296,7 @@ class XlaMagics(Magics):
         display({"text/plain": entry.text(), "text/markdown": entry.markdown()}, raw=True)
 
     @magic_arguments()
-    @argument("-r", "--rank", type=int, default=None, help="only this rank's stack")
+    @argument("-r", "--rank", type=rank_number, default=None, help="only this rank's stack")
     @argument("--all", action="store_true", help="keep the library frames (and every thread of the rank) unfolded")
     @argument("--locals", action="store_true",
               help="under each cell frame its local names with short values (tensors as dtype and shape)")
@@ -291,7 +316,7 @@ class XlaMagics(Magics):
             print(text)
 
     @magic_arguments()
-    @argument("-r", "--rank", type=int, default=None, help="this failed rank's frame (default: the first failure's)")
+    @argument("-r", "--rank", type=rank_number, default=None, help="this failed rank's frame (default: the first failure's)")
     @line_magic
     def xla_debug(self, line: str) -> None:
         """Open pdb in the frame where the last failed %%xla_spawn cell raised, on the rank that failed first.
@@ -314,7 +339,10 @@ class XlaMagics(Magics):
             if isinstance(error, RankError):
                 self.session.debug(None, error)
                 return None
-            if isinstance(error, UsageError) and self.session.post_mortem is not None:
+            if isinstance(error, RunInterrupted):  # IPython's would open our request's frame in the kernel
+                raise UsageError(INTERRUPTED)
+            if isinstance(error, (UsageError, CellSyntaxError)) and (
+                    self.session.post_mortem is not None or _raised_here(getattr(sys, "last_traceback", None))):
                 self.session.debug(None)  # a mistyped magic since (no traceback to debug): still the failed cell's
                 return None
         if self.ipython_debug is None:
@@ -352,7 +380,7 @@ class XlaMagics(Magics):
         "-b", "--backend", default=None, choices=("auto", "tpu", "cpu"),
         help="start/restart: tpu, cpu or auto (default: tpu where a TPU is found)",
     )
-    @argument("-r", "--rank", type=int, default=None, help="pull: take the value of this rank only")
+    @argument("-r", "--rank", type=rank_number, default=None, help="pull: take the value of this rank only")
     @argument(
         "--hosts", metavar="HOSTS",
         help="start: a pool across several hosts, one ipyparallel engine each: addresses separated by commas "

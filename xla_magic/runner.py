@@ -63,6 +63,7 @@ class Runner:
         self.launcher: Launcher | None = None
         self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
         self.post_mortem: post_mortem.PostMortem | None = None  # what %debug opens, until the next cell
+        self.let_go: post_mortem.PostMortem | None = None  # the last one let go, to say why %xla_debug has none
         self.ask: rank_input.Ask | None = None  # how its ranks' questions are asked (None: the kernel's own input)
 
     # -- the launcher ------------------------------------------------------
@@ -105,7 +106,7 @@ class Runner:
 
     def cell(self, ranks: Ranks, cell: Cell, report: str = "auto", hang_after: float | None = None) -> Any:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
-        self.release_post_mortem()  # before anything of this cell starts: a kept one-shot set may hold the devices
+        self.release_post_mortem("another cell ran since")  # before it starts: a kept one-shot set may hold the devices
         profile_view.wait_drawn()  # the last cell's profile, filled in once its ranks' digests came, comes first
         run_id = self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
@@ -151,6 +152,8 @@ class Runner:
                     self.post_mortem = post_mortem.PostMortem(ranks, error, run_id)
                     error.post_mortem = self.post_mortem
                     error.debug_note = self.post_mortem.note()
+                else:
+                    error.not_kept = post_mortem.why_not(ranks, error)
                 raise
             finally:
                 if launching:
@@ -169,7 +172,7 @@ class Runner:
 
     def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
         """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
-        self.release_post_mortem()
+        self.release_post_mortem("new ranks started since")
         launcher = self.ready_launcher()
         self.history.remember(record)
         try:
@@ -193,7 +196,7 @@ class Runner:
                  **fields: Any) -> list[Any] | None:
         """A push, a pull or a DEBUG to ``ranks``, followed to the end: the results by rank (None for a push)."""
         if kind != protocol.DEBUG:
-            self.release_post_mortem()  # the ranks drop a failed cell's frames at any other request
+            self.release_post_mortem(f"{label} reached its ranks since")  # they drop them at any other request
         seq = ranks.next_seq()
         record = self.record(self.history.next_run_id(), label, ranks)
         request = Request(ranks, record, seq, protocol.encode(kind, seq=seq, **fields), workdir=self.workdir,
@@ -208,23 +211,29 @@ class Runner:
         """
         kept = self.post_mortem
         if error is not None and (error.post_mortem is None or error.post_mortem is not kept):
-            raise UsageError(post_mortem.NOT_KEPT if error.post_mortem is None else
-                             "that cell's ranks no longer hold its frames: a rank keeps them until the next cell")
+            if error.post_mortem is None:
+                raise UsageError(error.not_kept or post_mortem.NOT_KEPT)
+            raise UsageError(error.post_mortem.gone_message())  # type: ignore[attr-defined]
         if kept is None:
-            raise UsageError(f"no failed %%xla_spawn cell to debug: %debug opens the frame of a rank whose cell "
-                             f"failed, until the next cell ({post_mortem.NOT_KEPT.split(': ', 1)[1]})")
+            if self.let_go is not None:
+                raise UsageError(self.let_go.gone_message())
+            raise UsageError("no %%xla_spawn cell has failed to debug: after one fails, %debug (or %xla_debug "
+                             "--rank R) opens the frame where it failed on a rank, until the next cell; to stop a "
+                             "rank at a line, put breakpoint() there")
         target = kept.choose(rank)
         print(kept.opening(target), flush=True)
         try:
             kept.open(self, target)
         finally:
             if kept.parked:
-                self.release_post_mortem()
+                self.release_post_mortem("the debugger was left, which lets a one-shot cell's kept ranks go")
 
-    def release_post_mortem(self) -> None:
+    def release_post_mortem(self, why: str = "the session ended") -> None:
+        """The kept failed cell's frames are let go (``why``, as a later %debug of it says)."""
         kept, self.post_mortem = self.post_mortem, None
         if kept is not None:
-            kept.release()
+            kept.release(why)
+            self.let_go = kept
 
     def tell_cache(self, ranks: Ranks) -> None:
         """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""

@@ -126,7 +126,7 @@ class Session:
     def stop_pool(self) -> bool:
         """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
         pool, self.pool = self.current_pool(), None
-        self.release_post_mortem()
+        self.release_post_mortem("the pool was stopped")
         if pool is None:
             return False
         pool.stop()
@@ -155,8 +155,8 @@ class Session:
         """``%debug`` / ``%xla_debug``: pdb in the last failed cell's frame on a rank that failed (runner.debug)."""
         self.host.debug(rank, error)
 
-    def release_post_mortem(self) -> None:
-        self.host.release_post_mortem()
+    def release_post_mortem(self, why: str = "it was let go") -> None:
+        self.host.release_post_mortem(why)
 
     def describe_pool(self) -> str:
         pool = self.current_pool()

@@ -23,11 +23,13 @@ class HostsPostMortem(PostMortem):
         self.pool = pool
         self.ranks = None  # type: ignore[assignment]  # on their hosts
         self.name = lambda rank: f"rank {pool.label(rank)}"
+        self.size = pool.world_size
         self.run_id = run_id
         self.debuggable = list(error.debuggable)
         self.failures = {failure.rank: failure for failure in error.failures}
         self.parked = False  # pool ranks: they drop the frames at their next request
         self.error = error
+        self.gone = ""
 
     def open(self, runner: Any, rank: int) -> None:
         self.pool.debug(rank, self.run_id)

@@ -34,6 +34,7 @@ from xla_magic.wire import protocol
 CELL_FILE = "<xla_spawn cell"
 REPLY_POLL = 0.2  # a rank thread takes an interrupt between bytecodes, so it waits for the reply in slices
 _DEBUGGER_FILES = ("/pdb.py", "/bdb.py", "/cmd.py")
+_THIS_FILE = os.path.join("xla_magic", "launcher", "debugger.py")  # input() and getpass, as the rank asks
 
 _consoles = threading.local()
 _process_console: Console | None = None
@@ -52,7 +53,13 @@ class Console:
     def ask(self, prompt: str, password: bool = False) -> str:
         """The line the kernel's user typed at ``prompt``; EOFError (with the kernel's reason) when there is none."""
         server = self.server
-        why, line = ("debugger", _debugger_line()) if _in_debugger() else ("input", _cell_line())
+        in_debugger = _in_debugger()
+        debugger = _debugger() if in_debugger else None
+        if debugger is not None:
+            # pdb's `c` would take SIGINT for itself (Ctrl-C breaks into pdb in a terminal), in this rank
+            # process for good: the kernel's interrupt and --timeout must stop the cell, as anywhere else.
+            debugger.nosigint = True
+        why, line = ("debugger", _debugger_line(debugger)) if in_debugger else ("input", _cell_line())
         server.flush_output()  # what the cell printed comes before the prompt
         self.asking = (why, line)
         try:
@@ -173,15 +180,22 @@ def _cell_line(frame: types.FrameType | None = None) -> int | None:
     return None
 
 
-def _debugger_line() -> int | None:
-    """The cell line pdb is showing (its current frame: a post-mortem has no cell frame on the stack)."""
+def _debugger() -> pdb.Pdb | None:
+    """The pdb asking on this thread: the one whose command loop is on the stack."""
     frame = sys._getframe(1)
     while frame is not None:
         debugger = frame.f_locals.get("self") if frame.f_code.co_name in ("cmdloop", "interaction") else None
-        if isinstance(debugger, pdb.Pdb) and getattr(debugger, "curframe", None) is not None:
-            current_frame = debugger.curframe
-            return current_frame.f_lineno if current_frame.f_code.co_filename.startswith(CELL_FILE) else None
+        if isinstance(debugger, pdb.Pdb):
+            return debugger
         frame = frame.f_back
+    return None
+
+
+def _debugger_line(debugger: pdb.Pdb | None) -> int | None:
+    """The cell line pdb is showing (its current frame: a post-mortem has no cell frame on the stack)."""
+    current_frame = getattr(debugger, "curframe", None)
+    if current_frame is not None:
+        return current_frame.f_lineno if current_frame.f_code.co_filename.startswith(CELL_FILE) else None
     return _cell_line()
 
 
@@ -194,11 +208,25 @@ def keeps(exc: BaseException) -> bool:
 
 
 def from_cell(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback from the cell's first frame on: pdb's ``up`` stops at the cell, not in the rank's loop."""
+    """The traceback from the cell's first frame on: pdb's ``up`` stops at the cell, not in the rank's loop.
+
+    Without our input() underneath (this module's frames last): an EOFError from ``input()`` opens at the
+    cell's line that called it, as a plain cell's builtin input() does.
+    """
     start = tb
     while start is not None and not start.tb_frame.f_code.co_filename.startswith(CELL_FILE):
         start = start.tb_next
-    return start or tb
+    start = start or tb
+    entries = []
+    while start is not None:
+        entries.append(start)
+        start = start.tb_next
+    while len(entries) > 1 and entries[-1].tb_frame.f_code.co_filename.endswith(_THIS_FILE):
+        entries.pop()
+    trimmed = None
+    for entry in reversed(entries):  # a copy: the exception keeps its own traceback
+        trimmed = types.TracebackType(trimmed, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return trimmed
 
 
 def post_mortem(tb: types.TracebackType) -> None:

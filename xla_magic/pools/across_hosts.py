@@ -25,6 +25,7 @@ from xla_magic.wire import protocol
 from xla_magic.display import RankError
 from xla_magic.hosts import discovery, link, on_host, profiles
 from xla_magic.hosts.debugging import HostsPostMortem
+from xla_magic.post_mortem import NOT_KEPT_FRESH_HOSTS
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 from xla_magic.hosts.naming import RESTART, label
 from xla_magic.run.across_hosts import HostsRequest
@@ -333,7 +334,7 @@ class HostsPool:
         ``cell.fresh``: in ranks spawned for it on every host, one world, ended after it.
         """
         self.check_usable()
-        self.runner.release_post_mortem()  # a failed cell's frames are dropped by the ranks at their next request
+        self.runner.release_post_mortem("another cell ran since")  # the ranks drop them at their next request
         if cell.spmd is not None:
             raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
         if not cell.fresh and cell.devices is not None and cell.devices != self.devices:
@@ -366,6 +367,8 @@ class HostsPool:
             if error.debuggable and not cell.fresh and self.state != "broken":  # %debug opens it (hosts/debugging.py)
                 kept = self.runner.post_mortem = HostsPostMortem(self, error, record.run_id)
                 error.post_mortem, error.debug_note = kept, kept.note()
+            elif cell.fresh:
+                error.not_kept = NOT_KEPT_FRESH_HOSTS
             raise
         finally:
             self.shipping.delivered(sending, request.reached())
@@ -391,7 +394,7 @@ class HostsPool:
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         self.check_usable()
-        self.runner.release_post_mortem()
+        self.runner.release_post_mortem("%xla_pool push reached its ranks since")
         check_names(names, user_ns)
         blob = payload.pickle_namespace({name: user_ns[name] for name in names})  # once, for every host
         calls = self._call_hosts(on_host.push, [(blob,)] * len(self.hosts))
@@ -399,7 +402,7 @@ class HostsPool:
 
     def pull(self, name: str, rank: int | None) -> Any:
         self.check_usable()
-        self.runner.release_post_mortem()
+        self.runner.release_post_mortem("%xla_pool pull reached its ranks since")
         check_rank(rank, self.world_size, "the pool across hosts")
         calls = self._call_hosts(on_host.pull, [(name,)] * len(self.hosts))
         values = self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool pull {name}", self.devices)))

@@ -10,6 +10,7 @@ the kernel gave up on (another ``seq``) is dropped.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from xla_magic import rank_display, rank_input
@@ -42,8 +43,9 @@ def handle(run: Any, conn: Conn, event: protocol.Event) -> None:
         if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_lanes.Reader
             run.on_update(run.record)
     elif kind == protocol.ERROR:
-        if run.stop_reason is not None and fields.get("type") == "KeyboardInterrupt":
-            run.rank_state(rank, "killed")  # our own SIGINT, not a fault of the rank
+        stopping = run.stop_reason is not None or run.watch.capturing  # (a prompt then ends: pdb raises BdbQuit)
+        if stopping and fields.get("type") in ("KeyboardInterrupt", "BdbQuit"):
+            run.rank_state(rank, "killed")  # our own SIGINT, or the prompt we ended, not a fault of the rank
         else:
             run.fail(rank, fields["type"], fields["message"], fields.get("traceback", ""))
             if fields.get("post_mortem") and rank not in run.debuggable:
@@ -86,9 +88,13 @@ def show(run: Any, rank: int, fields: dict[str, Any]) -> None:
 def answer_input(run: Any, rank: int, fields: dict[str, Any]) -> None:
     """A rank asks for a line (input(), pdb): asked here, in the cell's thread, after what it printed before."""
     run.drain([run.ranks.outputs[2 * rank], run.ranks.outputs[2 * rank + 1]])
-    reply = rank_input.answer(run.ranks, run.record, run.output, rank, fields, on_update=run.on_update,
-                              stopping=run.stop_reason is not None or run.watch.capturing,  # ^C: the cell's
-                              ask=run.ask)
+    asked = time.monotonic()
+    try:
+        reply = rank_input.answer(run.ranks, run.record, run.output, rank, fields, on_update=run.on_update,
+                                  stopping=run.stop_reason is not None or run.watch.capturing,  # ^C: the cell's
+                                  ask=run.ask)
+    finally:
+        run.prompt_seconds += time.monotonic() - asked  # the person's time, not the cell's (--timeout)
     try:
         run.ranks.send(rank, protocol.encode(protocol.INPUT_REPLY, **reply))
     except OSError:

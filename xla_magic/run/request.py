@@ -93,6 +93,7 @@ class Request:
         self.launch_error: str | None = None
         self.first_failure_at: float | None = None
         self.stop_reason: str | None = None  # failure, timeout or interrupt, once we stop the request
+        self.prompt_seconds = 0.0  # spent at the kernel's prompt for a rank, which --timeout does not count
         self._last_tick = 0.0
         self._lines_counted = 0
         record.ranks = {rank: RankState(pid=ranks.pids.get(rank)) for rank in range(ranks.size)}
@@ -163,7 +164,7 @@ class Request:
                 if self.first_failure_at is not None and time.monotonic() - self.first_failure_at > FAIL_GRACE:
                     stopping.stop(self, "failure")
                     break
-                if deadline is not None and time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() - self.prompt_seconds > deadline:
                     stopped = self.watch.stopped_ranks()
                     stopping.stop(self, "timeout")
                     raise wording.error(self, f"timed out after {self.timeout:g} s (--timeout){stopped}; {wording.stopped_note(self)}")
