@@ -185,3 +185,49 @@ def test_off_by_default_on_the_simulation_and_bad_values_say_what_to_do(ip, tmp_
         ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
     monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "off")
     assert "Cache:    off (XLA_MAGIC_COMPILE_CACHE off)" in _status(ip)
+
+
+@pytest.mark.parametrize("given, said", [
+    ("''", "--compile-cache is empty: it takes a directory, on or off, like --compile-cache ~/xla-cache"),
+    ("' '", "--compile-cache is empty"),
+    ("=", "--compile-cache is empty"),
+    ("false", "--compile-cache false: did you mean off?"),
+    ("None", "--compile-cache None: did you mean off?"),
+    ("yes", "--compile-cache yes: did you mean on?"),
+    ("~no-such-user-here/cache", "there is no user 'no-such-user-here' on this machine"),
+    ("a-file", "is a file, not a directory"),
+    ("'a-file'", "is a file, not a directory"),
+    ("a-file/cache", "a-file is a file, so no directory can be made under it"),
+])
+def test_a_value_that_cannot_be_a_cache_directory_says_what_to_give(ip, tmp_path, monkeypatch, given, said):
+    # Nothing is launched and nothing is made: the notebook's directory stays as it was.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    option = f"--compile-cache={given[1:]}" if given.startswith("=") else f"--compile-cache {given}"
+    with pytest.raises(UsageError) as raised:
+        ip.run_cell_magic("xla_spawn", f"--devices 2 --backend cpu {option}", CELL)
+    assert type(raised.value) is UsageError and said in str(raised.value), raised.value
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+@pytest.mark.parametrize("written", ["--Compile-Cache", "--COMPILE-CACHE", "--compile_cache"])
+def test_an_option_written_in_another_case_names_the_one_meant(ip, written):
+    with pytest.raises(UsageError, match="Options are lower case, with dashes: --compile-cache") as raised:
+        ip.run_line_magic("xla_pool", f"start {written} off")
+    assert type(raised.value) is UsageError and str(raised.value).startswith("unrecognized arguments:")
+    with pytest.raises(UsageError, match=r"Did you mean --compile-cache\?"):
+        ip.run_cell_magic("xla_spawn", "--compile-cahce off", CELL)
+
+
+def test_the_variable_set_empty_or_to_a_word_says_what_to_give(ip, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "")
+    with pytest.raises(UsageError, match="XLA_MAGIC_COMPILE_CACHE is empty: .* or unset it"):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "0")
+    with pytest.raises(UsageError, match="XLA_MAGIC_COMPILE_CACHE 0: did you mean off"):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
+    # A relative directory is the notebook's: it is resolved there, once, and said in full.
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "cache-here")
+    assert f"Cache:    {tmp_path / 'cache-here'}" in _status(ip)
+    assert os.listdir(tmp_path) == []

@@ -62,22 +62,61 @@ class CacheSetting:
         return self.root
 
 
+# Words a user may mean as on or off: as a directory name each would make a folder of that name here.
+ON_WORDS = {"true", "yes", "1", "enable", "enabled"}
+OFF_WORDS = {"false", "no", "0", "none", "disable", "disabled", "null"}
+
+
 def parse(value: str, where: str) -> CacheSetting:
-    """``off``, ``on`` (the default directory) or a directory; UsageError for anything else."""
-    text = value.strip()
+    """``off``, ``on`` (the default directory) or a directory; UsageError, saying what to give, for anything else.
+
+    A relative directory is taken from the kernel's working directory (where the ranks run), now; ``~`` and
+    ``~user`` are expanded; a value in quotes loses them (IPython's argument split keeps them)."""
+    text = _unquoted(value.strip()).strip()
+    example = f"like {OPTION} ~/xla-cache, {OPTION} on or {OPTION} off" if where == OPTION else \
+        f"like {where}=~/xla-cache, {where}=on or {where}=off, or unset it"
     if text.lower() == "off":
         return CacheSetting(None, source=where)
     if text.lower() == "on":
         return CacheSetting(default_root(), forced=True, source=where)
     if not text:
-        raise UsageError(f"{where} takes a directory, on or off, not an empty value")
+        raise UsageError(f"{where} is empty: it takes a directory, on or off, {example}")
+    if text.lower() in ON_WORDS | OFF_WORDS:
+        meant = "on" if text.lower() in ON_WORDS else "off"
+        raise UsageError(f"{where} {text}: did you mean {meant}? It takes a directory, on or off; for a folder "
+                         f"named {text!r} here, give ./{text}")
     if "\0" in text:
         raise UsageError(f"{where} takes a directory, on or off: {value!r} holds a NUL character")
-    root = os.path.abspath(os.path.expanduser(text))
-    if os.path.exists(root) and not os.path.isdir(root):
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        user = expanded[1:].split(os.sep)[0]
+        raise UsageError(f"{where} {text}: there is no user {user!r} on this machine for ~{user} to name; give the "
+                         f"directory in full, {example}")
+    root = os.path.abspath(expanded)
+    blocking = _file_on_the_way(root)
+    if blocking == root:
         raise UsageError(f"{where} {text}: {root} is a file, not a directory. Give a directory for the cache "
                          f"(it is made if missing), or off")
+    if blocking is not None:
+        raise UsageError(f"{where} {text}: {blocking} is a file, so no directory can be made under it. Give a "
+                         f"directory for the cache (it is made if missing), or off")
     return CacheSetting(root, forced=True, source=where)
+
+
+def _unquoted(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _file_on_the_way(path: str) -> str | None:
+    """The nearest existing part of ``path`` when it is not a directory (the path itself, or a parent), or None."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
 
 
 def option(text: str) -> CacheSetting:
