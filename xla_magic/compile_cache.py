@@ -139,6 +139,27 @@ def resolve(given: CacheSetting | None, environ: Mapping[str, str] = os.environ)
     return CacheSetting(default_root())
 
 
+def for_hosts(given: CacheSetting | None, environ: Mapping[str, str] = os.environ) -> CacheSetting | None:
+    """What a pool across hosts sends each host: the option, else the kernel's variable; None leaves each host its
+    own default (under its own home, on what its own devices are)."""
+    setting = resolve(given, environ)
+    return None if setting.source == "default" else setting
+
+
+def refuse_for_one_cell(asked: CacheSetting, running: CacheSetting | None, on_cpu: bool, described: str) -> None:
+    """A pool cell's --compile-cache: the pool's ranks opened theirs when they started, so only what they do is
+    accepted (``running`` None: each host's own default, which is off on XLA:CPU)."""
+    if running is None and on_cpu:
+        running = CacheSetting(None)
+    if running is not None and asked.job(on_cpu) == running.job(on_cpu):
+        return
+    raise UsageError(
+        f"the pool's ranks opened their compilation cache when they started ({described}), so {OPTION} cannot "
+        f"change it for one cell. Leave it out to run in the pool, add --fresh for new ranks, or %xla_pool "
+        f"restart {OPTION} ... to replace the pool."
+    )
+
+
 def quiet_line(job: dict[str, Any] | None) -> Callable[[str], bool] | None:
     """What of the ranks' stderr not to show: XLA:CPU's load warnings where the cache is forced on there."""
     if not job or not job.get("quiet"):

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
+from xla_magic import compile_cache
 from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
@@ -204,8 +205,10 @@ def ranks_here(devices: int | None, backend: str) -> HostOutcome:
     return _outcome(count)
 
 
-def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
-    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank.
+def start(world: protocol.World, devices: int, backend: str,
+          cache: compile_cache.CacheSetting | None = None) -> HostOutcome:
+    """Start this host's pool ranks as the ``world`` part the kernel says, with the kernel's ``--compile-cache``
+    (None: this host's default); the value: their pids, and how each opened its compile cache, by local rank.
 
     Again on a host that has a pool (the kernel's ``%xla_pool restart``): its ranks end and new ones start,
     with the same launcher and the kernel's values this host holds."""
@@ -217,9 +220,10 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
     else:
         here.renew(world)
 
-    def start_pool() -> dict[int, int]:
-        here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend), world)
-        return dict(here.pool.pids)
+    def start_pool() -> dict[str, Any]:
+        here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend, compile_cache=cache),
+                                    world)
+        return {"pids": dict(here.pool.pids), "cache": dict(here.pool.ranks.cache_facts)}
 
     return _outcome(start_pool)
 
@@ -241,14 +245,15 @@ def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeou
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
               kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False,
-              hang_after: float | None = None, run_id: int | None = None) -> HostOutcome:
+              hang_after: float | None = None, run_id: int | None = None,
+              cache: compile_cache.CacheSetting | None = None) -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
     _number(here, run_id)
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
-                place=kernel_place, profile=profile, hang_after=hang_after)
+                place=kernel_place, profile=profile, hang_after=hang_after, compile_cache=cache)
     return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
 
 
@@ -339,6 +344,7 @@ def status() -> dict[str, Any]:
         if pool is not None and pool.state != "stopped":
             facts["pool"] = {"state": pool.state, "problem": pool.problem, "pids": dict(pool.pids),
                              "describe": pool.ranks.describe()}
+            facts["cache"] = pool.cache_fact()  # its size read here, on this host's disk
     return facts
 
 

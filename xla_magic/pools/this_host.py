@@ -118,13 +118,9 @@ class LocalPool:
         if cell.fresh:
             return self.run_fresh(cell)
         ranks.check_fits(cell.devices, cell.backend, cell.spmd)
-        if cell.compile_cache is not None and cell.compile_cache != ranks.cache:
-            raise UsageError(
-                f"the pool's ranks opened their compilation cache when they started "
-                f"({ranks.cache.describe(ranks.placement.on_cpu)}), so --compile-cache cannot change it for one "
-                f"cell. Leave it out to run in the pool, add --fresh for new ranks, or %xla_pool restart "
-                f"--compile-cache ... to replace the pool."
-            )
+        if cell.compile_cache is not None:
+            on_cpu = ranks.placement.on_cpu
+            compile_cache.refuse_for_one_cell(cell.compile_cache, ranks.cache, on_cpu, ranks.cache.describe(on_cpu))
         ranks.check_usable()
         self.runner.guard_kernel(ranks)
         return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report, cell.hang_after or ranks.hang_after)
@@ -182,3 +178,7 @@ class LocalPool:
 
     def facts(self) -> list[tuple[str, str]]:
         return [("Pool", self.ranks.describe())]
+
+    def cache_fact(self) -> str:
+        ranks = self.ranks
+        return compile_cache.fact(ranks.cache, ranks.placement.on_cpu, ranks.cache_facts)
