@@ -20,6 +20,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from helpers import Kernel, pool_magic, spawn_cell, strip_ansi
+from xla_magic import compile_cache
 
 CELL = "import torch\nx = torch.ones(4, device=device) * 3 + rank\nx.sum().item()"
 # What torch_xla writes when it cannot use the cache (XLA:CPU's load failure, a failed write), and ours.
@@ -91,7 +92,7 @@ def test_a_new_pool_in_a_new_kernel_reads_the_same_directories(ip, tmp_path):
         # torch_xla's own attempt, in its counters: each rank found its graph in its directory, and XLA:CPU
         # could not load it (so it compiled again); the report says why.
         reply, text = kernel.run("%xla_report --text")
-        assert "0 (1 not loadable)" in text and "XLA:CPU cannot load" in text, text
+        assert "0 (1 not loadable)" in text and "cannot load what the compile cache holds here" in text, text
         reply, text = kernel.run("%xla_pool stop")
         assert reply["status"] == "ok", text
     finally:
@@ -231,3 +232,23 @@ def test_the_variable_set_empty_or_to_a_word_says_what_to_give(ip, monkeypatch, 
     monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "cache-here")
     assert f"Cache:    {tmp_path / 'cache-here'}" in _status(ip)
     assert os.listdir(tmp_path) == []
+
+
+def test_ranks_that_can_load_nothing_the_cache_holds_are_said_once_where_that_is_news(ip, tmp_path):
+    # New rank processes find each graph in their folders and cannot load it: XLA:CPU never can, and neither
+    # can a TPU's with torch_xla 2.7 to 2.9 (pytorch/xla#9094), whose warning per graph is the same line.
+    line = f"--devices 2 --backend cpu --compile-cache {tmp_path / 'cache'}"
+    spawn_cell(ip, line, CELL)
+    value, out, err, _ = spawn_cell(ip, line, CELL)
+    assert value == [12.0, 16.0] and err == "" and "compile cache" not in out, (out, err)  # not on XLA:CPU
+    accounts = [state.xla for state in ip._xla_magic_session.last_cell.ranks.values()]
+    assert [(account["loaded"], account["load_failures"], account["cannot_load"]) for account in accounts] == \
+        [(0, 1, True)] * 2, accounts
+    # Where the ranks are not on XLA:CPU (a TPU), the same accounts are said once a session, with what to do.
+    told: set[str] = set()
+    said = compile_cache.unloadable_line(accounts, on_cpu=False, told=told)
+    assert said and "pytorch/xla#9094" in said and "--compile-cache off" in said, said
+    assert compile_cache.unloadable_line(accounts, on_cpu=False, told=told) is None
+    assert compile_cache.unloadable_line(accounts, on_cpu=True, told=set()) is None
+    loaded_once = [dict(account, cannot_load=False) for account in accounts]  # what a process that loaded some says
+    assert compile_cache.unloadable_line(loaded_once, on_cpu=False, told=set()) is None

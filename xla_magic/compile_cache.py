@@ -28,10 +28,13 @@ from IPython.core.error import UsageError
 
 VARIABLE = "XLA_MAGIC_COMPILE_CACHE"
 OPTION = "--compile-cache"
-# torch_xla's warning for each graph that XLA:CPU cannot load from the cache: expected where the cache
-# is forced on in the simulation, so not shown there (Ranks.quiet_line).
-CPU_LOAD_WARNING = re.compile(r"\] Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized "
+# torch_xla's warning for each graph it finds in the cache and cannot load, on a platform whose client cannot
+# load serialized executables at all: XLA:CPU, and a TPU with torch_xla 2.7 to 2.9 at least (its PJRT C API
+# client loads them by another call than torch_xla's: pytorch/xla#9094, still open on 2.9). One line per graph
+# and rank: never shown in the cell (Ranks.quiet_line); the account says so, and a TPU's kernel once.
+LOAD_UNSUPPORTED = re.compile(r"\] Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized "
                               r"executable not supported")
+UNLOADABLE = "cannot load"  # the reason told once a session (unloadable_line)
 
 
 def default_root() -> str:
@@ -51,7 +54,7 @@ class CacheSetting:
         """What the ranks' job carries: None when the ranks open no cache."""
         if self.root is None or (on_cpu and not self.forced):
             return None
-        return {"root": self.root, "quiet": on_cpu}
+        return {"root": self.root}
 
     def describe(self, on_cpu: bool) -> str:
         if self.root is None:
@@ -161,10 +164,23 @@ def refuse_for_one_cell(asked: CacheSetting, running: CacheSetting | None, on_cp
 
 
 def quiet_line(job: dict[str, Any] | None) -> Callable[[str], bool] | None:
-    """What of the ranks' stderr not to show: XLA:CPU's load warnings where the cache is forced on there."""
-    if not job or not job.get("quiet"):
+    """What of the ranks' stderr not to show: torch_xla's line for each graph it cannot load, wherever it
+    opened the cache (the account counts them, and ``unloadable_line`` says what they mean)."""
+    if not job:
         return None
-    return lambda line: CPU_LOAD_WARNING.search(line) is not None
+    return lambda line: LOAD_UNSUPPORTED.search(line) is not None
+
+
+def unloadable_line(accounts: list[dict[str, Any]], on_cpu: bool, told: set[str]) -> str | None:
+    """Once a session, where ranks on a device that is not XLA:CPU could load no graph their cache held: what
+    that means and what to do. On XLA:CPU the cache is forced on only to exercise the TPU's path (the report's
+    note says it there)."""
+    if on_cpu or UNLOADABLE in told or not any(account.get("cannot_load") for account in accounts):
+        return None
+    told.add(UNLOADABLE)
+    return (f"compile cache: this torch_xla could load none of the graphs its cache held here, so they compiled "
+            f"as without it (torch_xla 2.7 to 2.9 cannot load it on a TPU: pytorch/xla#9094), and the cache "
+            f"only costs disk. {OPTION} off, or {VARIABLE}=off, turns it off")
 
 
 # --- what the ranks reported ------------------------------------------------------

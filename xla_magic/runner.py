@@ -156,6 +156,7 @@ class Runner:
                 if launching:
                     self.tell_cache(ranks)
                 xla_report.after_cell(record)
+                self.tell_unloadable(ranks, record)
                 if reader is not None:
                     self.history.listeners.remove(reader.notice)
                     profile_view.after_cell(record, reader)
@@ -229,6 +230,13 @@ class Runner:
     def tell_cache(self, ranks: Ranks) -> None:
         """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""
         line = compile_cache.problem_line(ranks.cache_facts, self.cache_told)
+        if line:
+            xla_report.say(line)
+
+    def tell_unloadable(self, ranks: Ranks, record: RunRecord) -> None:
+        """Once a session: ranks on a TPU whose torch_xla could load nothing its compile cache held."""
+        accounts = [state.xla for state in record.ranks.values() if state.xla]
+        line = compile_cache.unloadable_line(accounts, ranks.placement.on_cpu, self.cache_told)
         if line:
             xla_report.say(line)
 
