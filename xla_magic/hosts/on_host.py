@@ -82,7 +82,7 @@ class Here:
         self._told: Any = None  # the last news sent, so that nothing goes twice
 
     def _tell_kernel(self, record: RunRecord) -> None:
-        """The running cell's news, live, for the kernel's one view of every host's ranks (hosts/request.py):
+        """The running cell's news, live, for the kernel's one view of every host's ranks (run/across_hosts.py):
         each rank's state and place, where its sampler last said it was and for how long, by local rank.
 
         Sent as ipyparallel data (``publish_data``) on the engine's IOPub while the call runs: the engine

@@ -34,7 +34,7 @@ TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
 
 
 class HostsRequest:
-    """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (hosts/pool.py's HostsPool).
+    """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (pools/across_hosts.py's HostsPool).
 
     With a ``record`` (a run in the session's history), the request keeps its
     ranks' states and lines as the hosts' output and outcomes come in, and
