@@ -149,3 +149,25 @@ def test_the_compile_cache_goes_to_every_host_s_ranks_as_on_one_host(ip, pool):
         with capture_output():
             ip.run_line_magic("xla_pool", "restart --compile-cache off")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_what_xla_did_on_every_host_is_told_under_the_cell_and_by_xla_report(ip, pool):
+    # Each rank recompiles as its tensor doubles: the line under the cell says so once, for the world, and
+    # %xla_report holds every global rank's account, as on one host.
+    cell = ("import torch\nx = torch.ones(4, device=device) * rank\nfor step in range(3):\n"
+            "    x = torch.cat([x, x])\n    x.sum().item()\n")
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", cell)
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert len(said) == 1 and "recompiled at line 5" in said[0] and "f32[8] → f32[16]" in said[0], shown.stdout
+    record = ip._xla_magic_session.last_cell
+    assert record.cell == cell and sorted(record.ranks) == [0, 1, 2, 3]
+    for rank, state in record.ranks.items():
+        assert state.xla is not None and rank in state.xla["ranks"] and state.xla["compiles"] == 3, (rank, state.xla)
+    with capture_output() as shown:
+        ip.run_line_magic("xla_report", "--text")
+    assert shown.stdout.startswith(f"What XLA did in run {record.run_id}:"), shown.stdout
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--xla-report off", cell)
+    assert "XLA" not in shown.stdout and all(state.xla is None
+                                              for state in ip._xla_magic_session.last_cell.ranks.values())

@@ -128,9 +128,7 @@ class Runner:
             record = self.record(run_id, cell.source, ranks)
             record.xla_report = report
             record.profile = profiled.get("profile", "")
-            self.history.last_cell = record  # %xla_report shows what XLA did in it
-            if cell.profile:
-                self.history.last_profiled = record  # %xla_profile shows it again
+            self.history.cell_began(record, cell.profile)  # %xla_report shows what XLA did in it, %xla_profile its profile
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
                               live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask)
@@ -155,8 +153,9 @@ class Runner:
             finally:
                 if launching:
                     self.tell_cache(ranks)
-                xla_report.after_cell(record)
-                self.tell_unloadable(ranks, record)
+                if ranks.world is None:  # one host's part of a world says nothing: the kernel tells every host's
+                    xla_report.after_cell(record)
+                    self.tell_unloadable(ranks.placement.on_cpu, record)
                 if reader is not None:
                     self.history.listeners.remove(reader.notice)
                     profile_view.after_cell(record, reader)
@@ -233,10 +232,10 @@ class Runner:
         if line:
             xla_report.say(line)
 
-    def tell_unloadable(self, ranks: Ranks, record: RunRecord) -> None:
+    def tell_unloadable(self, on_cpu: bool, record: RunRecord) -> None:
         """Once a session: ranks on a TPU whose torch_xla could load nothing its compile cache held."""
         accounts = [state.xla for state in record.ranks.values() if state.xla]
-        line = compile_cache.unloadable_line(accounts, ranks.placement.on_cpu, self.cache_told)
+        line = compile_cache.unloadable_line(accounts, on_cpu, self.cache_told)
         if line:
             xla_report.say(line)
 

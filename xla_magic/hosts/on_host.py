@@ -65,6 +65,7 @@ class HostOutcome(TypedDict, total=False):
     stacks: dict[int, dict[str, Any]]  # failed, interrupted: where each rank was at the stop, by local rank
     stacks_when: str  # failed, interrupted: when that was (the watch's words: "at the interrupt", ...)
     profile: list[profiles.SentTrace]  # a --profile cell: this host's trace files (hosts/profiles.py)
+    accounts: list[dict[str, Any]]  # a cell: what XLA did in each rank process (its ranks local), however it ended
 
 
 class Here:
@@ -230,7 +231,7 @@ def start(world: protocol.World, devices: int, backend: str,
 
 def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
              kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None,
-             run_id: int | None = None) -> HostOutcome:
+             run_id: int | None = None, xla_report: str = "auto") -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
     The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
@@ -239,22 +240,24 @@ def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeou
     here = _require()
     _number(here, run_id)
     values = _take(here, sent, names)
-    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after)
-    return _profiled(here, cell, lambda: _pool(here).run_cell(cell))
+    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after,
+                xla_report=xla_report)
+    return _told(here, cell, lambda: _pool(here).run_cell(cell))
 
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
               kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False,
               hang_after: float | None = None, run_id: int | None = None,
-              cache: compile_cache.CacheSetting | None = None) -> HostOutcome:
+              cache: compile_cache.CacheSetting | None = None, xla_report: str = "auto") -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
     _number(here, run_id)
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
-                place=kernel_place, profile=profile, hang_after=hang_after, compile_cache=cache)
-    return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
+                place=kernel_place, profile=profile, hang_after=hang_after, compile_cache=cache,
+                xla_report=xla_report)
+    return _told(here, cell, lambda: pool.run_fresh(cell, world))
 
 
 def _number(here: Here, run_id: int | None) -> None:
@@ -263,10 +266,15 @@ def _number(here: Here, run_id: int | None) -> None:
         here.runs.run_count = run_id - 1
 
 
-def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
-    """``call``'s outcome; a --profile cell's with this host's trace files (``profile``), however it ended."""
-    before = here.runs.last_profiled
+def _told(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
+    """``call``'s outcome, with what XLA did in each rank process (``accounts``: the kernel reports every host's)
+    and, for a --profile cell, this host's trace files (``profile``), however it ended."""
+    before, began = here.runs.last_profiled, here.runs.last_cell
     outcome = _outcome(call)
+    record = here.runs.last_cell
+    if record is not None and record is not began:
+        shared = {id(state.xla): state.xla for state in record.ranks.values() if state.xla is not None}
+        outcome["accounts"] = list(shared.values())  # rank threads of one process share one
     if cell.profile:
         record = here.runs.last_profiled
         outcome["profile"] = profiles.collect(record if record is not before else None)

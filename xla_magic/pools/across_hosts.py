@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, place, profile_view
+from xla_magic import compile_cache, payload, place, profile_view, xla_report
 from xla_magic.wire import protocol
 from xla_magic.display import RankError
 from xla_magic.hosts import discovery, link, on_host, profiles
@@ -74,6 +74,7 @@ class HostsPool:
         self.links: dict[int, link.Link] = {}  # each host's link to the kernel, for its ranks' questions
         self.cells = 0
         self.hang_after: float | None = None  # --hang-after, for the pool's cells that give none (watch.py)
+        self.xla_report = "auto"  # --xla-report, for the pool's cells that give none
         self.live_lines = False  # the watchdog's line updated in place: the kernel is a notebook's
         # torch_xla's compilation cache: what every host's ranks are told (None: each host's own default, under
         # its home), and what each global rank reported when it was ready (its folder, or why it has none).
@@ -115,6 +116,7 @@ class HostsPool:
         pool = cls(runner, list(options.hosts or ()), options.devices, options.backend or "auto", options.template)
         pool.hang_after, pool.live_lines = options.hang_after, options.live_lines
         pool.cache = compile_cache.for_hosts(options.compile_cache)
+        pool.xla_report = options.xla_report or "auto"
         pool.start_all()
         return pool
 
@@ -134,11 +136,12 @@ class HostsPool:
             return HostsPool.start(self.runner, options.but(
                 hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
                 backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after,
-                compile_cache=options.compile_cache or self.cache))
+                compile_cache=options.compile_cache or self.cache, xla_report=options.xla_report or self.xla_report))
         self.check_options(options)
         self.requested_devices = options.devices or self.devices
         self.backend = options.backend or self.backend
         self.hang_after = options.hang_after or self.hang_after
+        self.xla_report = options.xla_report or self.xla_report
         if options.compile_cache is not None:
             self.cache = compile_cache.for_hosts(options.compile_cache)
         self.state, self.problem, self.cells, self.started = "starting", None, 0, time.time()
@@ -358,7 +361,7 @@ class HostsPool:
         sending = self.shipping.prepare(user_values(cell))  # checked here, run by each host's pool
         # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
         here = place.current(place.environment_changes(self.base_environment))
-        hang_after = cell.hang_after or self.hang_after
+        hang_after, report = cell.hang_after or self.hang_after, cell.xla_report or self.xla_report
         run_id = self.runner.history.next_run_id()  # the hosts name the cell by it too: <xla_spawn cell N>
         if cell.fresh:
             devices = cell.devices or self.devices
@@ -366,13 +369,15 @@ class HostsPool:
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
-                 cell.profile, hang_after, run_id, cell.compile_cache) for index, world in enumerate(worlds)])
+                 cell.profile, hang_after, run_id, cell.compile_cache, report) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after,
-                 run_id) for index in range(len(self.hosts))])
+                 run_id, report) for index in range(len(self.hosts))])
         record = self._record(cell.source, devices, run_id)
+        record.xla_report = report
+        self.runner.history.cell_began(record)  # %xla_report shows what XLA did on every host
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
                                notebook=cell.live_lines or self.live_lines)
         try:
@@ -384,6 +389,8 @@ class HostsPool:
             raise
         finally:
             self.shipping.delivered(sending, request.reached())
+            xla_report.after_cell(record)  # every host's accounts, as on one host (run/across_hosts.py)
+            self.runner.tell_unloadable(self.backend == "cpu", record)
             if cell.profile:  # every host's traces, however the cell ended (hosts/profiles.py)
                 self._show_profile(record, request, devices)
         if not cell.fresh:
@@ -392,7 +399,7 @@ class HostsPool:
 
     def _show_profile(self, record: RunRecord, request: HostsRequest, devices: int) -> None:
         profiles.store(record, request.outcomes, self.hosts, devices, self.workdir.new(f"profile-{record.run_id}-"))
-        self.runner.history.last_profiled = record  # %xla_profile shows it again
+        self.runner.history.cell_began(record, profiled=True)  # %xla_profile shows it again
         profile_view.after_cell(record)
 
     def debug(self, rank: int, run_id: int) -> None:

@@ -132,6 +132,9 @@ class HostsRequest:
                 state.state = ("done" if said["outcome"] == "ok" else "failed" if local in failed
                                else "killed" if said["outcome"] in ("interrupted", "failed") else "failed")
                 state.ended = time.monotonic()
+        for index, said in self.outcomes.items():  # what XLA did on every host, by global rank
+            for account in said.get("accounts", ()):
+                record.take("xla", dict(account, ranks=[index * self.devices + rank for rank in account["ranks"]]))
         record.outcome = outcome
         record.duration = time.time() - record.started
         self.history.notify(record)
