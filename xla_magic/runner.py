@@ -62,7 +62,7 @@ class Runner:
         self.workdir = PrivateDir()
         self.launcher: Launcher | None = None
         self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
-        self.post_mortem: post_mortem.PostMortem | None = None  # what %debug opens, until the next cell
+        self.post_mortem: Any = None  # what %debug opens, until the next cell (PostMortem, or HostsPostMortem)
         self.ask: rank_input.Ask | None = None  # how its ranks' questions are asked (None: the kernel's own input)
 
     # -- the launcher ------------------------------------------------------
@@ -146,9 +146,7 @@ class Runner:
                 return ranks.value(request.wait())
             except RankError as error:
                 if post_mortem.keeps(ranks, error):
-                    self.post_mortem = post_mortem.PostMortem(ranks, error, run_id)
-                    error.post_mortem = self.post_mortem
-                    error.debug_note = self.post_mortem.note()
+                    self.keep_for_debug(post_mortem.PostMortem(ranks, error, run_id), error)
                 raise
             finally:
                 if launching:
@@ -220,6 +218,11 @@ class Runner:
         finally:
             if kept.parked:
                 self.release_post_mortem()
+
+    def keep_for_debug(self, kept: Any, error: RankError) -> None:
+        """What %debug opens after ``error``, until the next cell (a PostMortem, or a pool across hosts' own)."""
+        self.post_mortem = kept
+        error.post_mortem, error.debug_note = kept, kept.note()
 
     def release_post_mortem(self) -> None:
         kept, self.post_mortem = self.post_mortem, None

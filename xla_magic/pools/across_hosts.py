@@ -384,8 +384,7 @@ class HostsPool:
             values_by_host = self._follow(request)
         except RankError as error:
             if error.debuggable and not cell.fresh and self.state != "broken":  # %debug opens it (hosts/debugging.py)
-                kept = self.runner.post_mortem = HostsPostMortem(self, error, record.run_id)
-                error.post_mortem, error.debug_note = kept, kept.note()
+                self.runner.keep_for_debug(HostsPostMortem(self, error, record.run_id), error)
             raise
         finally:
             self.shipping.delivered(sending, request.reached())
