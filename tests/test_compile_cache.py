@@ -20,6 +20,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from helpers import Kernel, pool_magic, spawn_cell, strip_ansi
+from xla_magic import compile_cache
 
 CELL = "import torch\nx = torch.ones(4, device=device) * 3 + rank\nx.sum().item()"
 # What torch_xla writes when it cannot use the cache (XLA:CPU's load failure, a failed write), and ours.
@@ -91,7 +92,7 @@ def test_a_new_pool_in_a_new_kernel_reads_the_same_directories(ip, tmp_path):
         # torch_xla's own attempt, in its counters: each rank found its graph in its directory, and XLA:CPU
         # could not load it (so it compiled again); the report says why.
         reply, text = kernel.run("%xla_report --text")
-        assert "0 (1 not loadable)" in text and "XLA:CPU cannot load" in text, text
+        assert "0 (1 not loadable)" in text and "cannot load what the compile cache holds here" in text, text
         reply, text = kernel.run("%xla_pool stop")
         assert reply["status"] == "ok", text
     finally:
@@ -185,3 +186,69 @@ def test_off_by_default_on_the_simulation_and_bad_values_say_what_to_do(ip, tmp_
         ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
     monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "off")
     assert "Cache:    off (XLA_MAGIC_COMPILE_CACHE off)" in _status(ip)
+
+
+@pytest.mark.parametrize("given, said", [
+    ("''", "--compile-cache is empty: it takes a directory, on or off, like --compile-cache ~/xla-cache"),
+    ("' '", "--compile-cache is empty"),
+    ("=", "--compile-cache is empty"),
+    ("false", "--compile-cache false: did you mean off?"),
+    ("None", "--compile-cache None: did you mean off?"),
+    ("yes", "--compile-cache yes: did you mean on?"),
+    ("~no-such-user-here/cache", "there is no user 'no-such-user-here' on this machine"),
+    ("a-file", "is a file, not a directory"),
+    ("'a-file'", "is a file, not a directory"),
+    ("a-file/cache", "a-file is a file, so no directory can be made under it"),
+])
+def test_a_value_that_cannot_be_a_cache_directory_says_what_to_give(ip, tmp_path, monkeypatch, given, said):
+    # Nothing is launched and nothing is made: the notebook's directory stays as it was.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    option = f"--compile-cache={given[1:]}" if given.startswith("=") else f"--compile-cache {given}"
+    with pytest.raises(UsageError) as raised:
+        ip.run_cell_magic("xla_spawn", f"--devices 2 --backend cpu {option}", CELL)
+    assert type(raised.value) is UsageError and said in str(raised.value), raised.value
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+@pytest.mark.parametrize("written", ["--Compile-Cache", "--COMPILE-CACHE", "--compile_cache"])
+def test_an_option_written_in_another_case_names_the_one_meant(ip, written):
+    with pytest.raises(UsageError, match="Options are lower case, with dashes: --compile-cache") as raised:
+        ip.run_line_magic("xla_pool", f"start {written} off")
+    assert type(raised.value) is UsageError and str(raised.value).startswith("unrecognized arguments:")
+    with pytest.raises(UsageError, match=r"Did you mean --compile-cache\?"):
+        ip.run_cell_magic("xla_spawn", "--compile-cahce off", CELL)
+
+
+def test_the_variable_set_empty_or_to_a_word_says_what_to_give(ip, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "")
+    with pytest.raises(UsageError, match="XLA_MAGIC_COMPILE_CACHE is empty: .* or unset it"):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "0")
+    with pytest.raises(UsageError, match="XLA_MAGIC_COMPILE_CACHE 0: did you mean off"):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", CELL)
+    # A relative directory is the notebook's: it is resolved there, once, and said in full.
+    monkeypatch.setenv("XLA_MAGIC_COMPILE_CACHE", "cache-here")
+    assert f"Cache:    {tmp_path / 'cache-here'}" in _status(ip)
+    assert os.listdir(tmp_path) == []
+
+
+def test_ranks_that_can_load_nothing_the_cache_holds_are_said_once_where_that_is_news(ip, tmp_path):
+    # New rank processes find each graph in their folders and cannot load it: XLA:CPU never can, and neither
+    # can a TPU's with torch_xla 2.7 to 2.9 (pytorch/xla#9094), whose warning per graph is the same line.
+    line = f"--devices 2 --backend cpu --compile-cache {tmp_path / 'cache'}"
+    spawn_cell(ip, line, CELL)
+    value, out, err, _ = spawn_cell(ip, line, CELL)
+    assert value == [12.0, 16.0] and err == "" and "compile cache" not in out, (out, err)  # not on XLA:CPU
+    accounts = [state.xla for state in ip._xla_magic_session.last_cell.ranks.values()]
+    assert [(account["loaded"], account["load_failures"], account["cannot_load"]) for account in accounts] == \
+        [(0, 1, True)] * 2, accounts
+    # Where the ranks are not on XLA:CPU (a TPU), the same accounts are said once a session, with what to do.
+    told: set[str] = set()
+    said = compile_cache.unloadable_line(accounts, on_cpu=False, told=told)
+    assert said and "pytorch/xla#9094" in said and "--compile-cache off" in said, said
+    assert compile_cache.unloadable_line(accounts, on_cpu=False, told=told) is None
+    assert compile_cache.unloadable_line(accounts, on_cpu=True, told=set()) is None
+    loaded_once = [dict(account, cannot_load=False) for account in accounts]  # what a process that loaded some says
+    assert compile_cache.unloadable_line(loaded_once, on_cpu=False, told=set()) is None

@@ -1,15 +1,19 @@
 """Several hosts say what one host says: the watchdog's line names every global rank while the cell runs, the
-panel's "where" moves, and %xla_stacks asks every rank on every host where it is now. 2 simulated hosts
-(network namespaces) x 2 ranks, one real IPython shell."""
+panel's "where" moves, %xla_stacks asks every rank on every host where it is now, and --compile-cache goes to
+every host's ranks. 2 simulated hosts (network namespaces) x 2 ranks, one real IPython shell."""
 
 from __future__ import annotations
 
 import html
+import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 
 import pytest
+from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening
@@ -111,3 +115,59 @@ def test_a_restart_keeps_every_host_s_engine_and_starts_fresh_ranks(ip, pool):
     with capture_output():
         value = ip.run_cell_magic("xla_spawn", "", "'kept' in dir()")
     assert value == [False] * 4
+
+
+def test_the_compile_cache_goes_to_every_host_s_ranks_as_on_one_host(ip, pool):
+    # Outside /tmp, which each simulated host has of its own: the hosts share this disk, as a TPU pod's workers
+    # share nothing but their own; each rank process writes its own folder either way.
+    root = tempfile.mkdtemp(prefix="xla-magic-hosts-cache-", dir="/var/tmp")
+    try:
+        with capture_output() as shown:
+            ip.run_line_magic("xla_pool", f"restart --compile-cache {root}")
+        assert "pool ready" in shown.stdout and "compile cache" not in shown.stdout, shown.stdout
+        with capture_output():
+            value = ip.run_cell_magic("xla_spawn", "", "import torch\n(torch.ones(2, device=device) * rank).sum().item()")
+        assert value == [0.0, 2.0, 4.0, 6.0]
+        leaves = sorted(folder.rpartition(os.sep)[2] for folder, dirs, files in os.walk(root) if files)
+        assert leaves == [f"rank-{rank}-of-4" for rank in range(4)], leaves
+        with capture_output() as status:
+            ip.run_line_magic("xla_status", "--text")
+        cache_line = next((line for line in status.stdout.splitlines() if line.strip().startswith("Cache:")), "")
+        assert f"h0: {root}: " in cache_line and f"h1: {root}: " in cache_line, status.stdout
+        with pytest.raises(UsageError, match="opened their compilation cache when they started"):
+            ip.run_cell_magic("xla_spawn", "--compile-cache off", "rank")
+        # A place no rank can write: the cells run without it, and the kernel says so once for every host.
+        with capture_output() as shown:
+            ip.run_line_magic("xla_pool", "restart --compile-cache /proc/xla-magic-cache")
+        said = [line for line in shown.stdout.splitlines() if "compile cache" in line]
+        assert len(said) == 1 and said[0].startswith("compile cache: not used (every rank: /proc/xla-magic-cache "
+                                                     "is not writable"), shown.stdout
+        with capture_output() as shown:
+            assert ip.run_cell_magic("xla_spawn", "", "rank") == [0, 1, 2, 3]
+        assert "compile cache" not in shown.stdout
+    finally:
+        with capture_output():
+            ip.run_line_magic("xla_pool", "restart --compile-cache off")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_what_xla_did_on_every_host_is_told_under_the_cell_and_by_xla_report(ip, pool):
+    # Each rank recompiles as its tensor doubles: the line under the cell says so once, for the world, and
+    # %xla_report holds every global rank's account, as on one host.
+    cell = ("import torch\nx = torch.ones(4, device=device) * rank\nfor step in range(3):\n"
+            "    x = torch.cat([x, x])\n    x.sum().item()\n")
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", cell)
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert len(said) == 1 and "recompiled at line 5" in said[0] and "f32[8] → f32[16]" in said[0], shown.stdout
+    record = ip._xla_magic_session.last_cell
+    assert record.cell == cell and sorted(record.ranks) == [0, 1, 2, 3]
+    for rank, state in record.ranks.items():
+        assert state.xla is not None and rank in state.xla["ranks"] and state.xla["compiles"] == 3, (rank, state.xla)
+    with capture_output() as shown:
+        ip.run_line_magic("xla_report", "--text")
+    assert shown.stdout.startswith(f"What XLA did in run {record.run_id}:"), shown.stdout
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--xla-report off", cell)
+    assert "XLA" not in shown.stdout and all(state.xla is None
+                                              for state in ip._xla_magic_session.last_cell.ranks.values())

@@ -95,3 +95,22 @@ def test_the_magic_refuses_several_devices_it_cannot_count(spawn, monkeypatch):
     with pytest.raises(UsageError, match="no TPU chip shows under /sys/bus/pci") as info:
         spawn("--backend tpu --devices 2", "rank")
     assert type(info.value) is UsageError
+
+
+def test_every_chip_torch_xla_counts_as_a_tpu_is_one_here(tmp_path):
+    # torch_xla's own probe (torch_xla/_internal/tpu.py), read without importing torch_xla into this process:
+    # a TPU it knows and this probe did not would run the CPU simulation there, with the compile cache off.
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch_xla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torch_xla is not installed here")
+    source = Path(next(iter(spec.submodule_search_locations)), "_internal", "tpu.py").read_text()
+    assigned = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+                    and getattr(node.targets[0], "id", "") == "_TPU_PCI_DEVICE_IDS")
+    theirs = set(ast.literal_eval(assigned.value)) - {"0x0056"}  # "Testing only", no chip anyone runs on
+    assert theirs and theirs <= set(probe.TPU_PCI_DEVICES), theirs - set(probe.TPU_PCI_DEVICES)
+    for index, device in enumerate(sorted(theirs)):
+        root = fake_sys(tmp_path / str(index), [(GOOGLE, device)] * 4)
+        assert probe.place("auto", None, root).backend == "tpu", device

@@ -28,10 +28,13 @@ from IPython.core.error import UsageError
 
 VARIABLE = "XLA_MAGIC_COMPILE_CACHE"
 OPTION = "--compile-cache"
-# torch_xla's warning for each graph that XLA:CPU cannot load from the cache: expected where the cache
-# is forced on in the simulation, so not shown there (Ranks.quiet_line).
-CPU_LOAD_WARNING = re.compile(r"\] Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized "
+# torch_xla's warning for each graph it finds in the cache and cannot load, on a platform whose client cannot
+# load serialized executables at all: XLA:CPU, and a TPU with torch_xla 2.7 to 2.9 at least (its PJRT C API
+# client loads them by another call than torch_xla's: pytorch/xla#9094, still open on 2.9). One line per graph
+# and rank: never shown in the cell (Ranks.quiet_line); the account says so, and a TPU's kernel once.
+LOAD_UNSUPPORTED = re.compile(r"\] Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized "
                               r"executable not supported")
+UNLOADABLE = "cannot load"  # the reason told once a session (unloadable_line)
 
 
 def default_root() -> str:
@@ -51,7 +54,7 @@ class CacheSetting:
         """What the ranks' job carries: None when the ranks open no cache."""
         if self.root is None or (on_cpu and not self.forced):
             return None
-        return {"root": self.root, "quiet": on_cpu}
+        return {"root": self.root}
 
     def describe(self, on_cpu: bool) -> str:
         if self.root is None:
@@ -62,22 +65,61 @@ class CacheSetting:
         return self.root
 
 
+# Words a user may mean as on or off: as a directory name each would make a folder of that name here.
+ON_WORDS = {"true", "yes", "1", "enable", "enabled"}
+OFF_WORDS = {"false", "no", "0", "none", "disable", "disabled", "null"}
+
+
 def parse(value: str, where: str) -> CacheSetting:
-    """``off``, ``on`` (the default directory) or a directory; UsageError for anything else."""
-    text = value.strip()
+    """``off``, ``on`` (the default directory) or a directory; UsageError, saying what to give, for anything else.
+
+    A relative directory is taken from the kernel's working directory (where the ranks run), now; ``~`` and
+    ``~user`` are expanded; a value in quotes loses them (IPython's argument split keeps them)."""
+    text = _unquoted(value.strip()).strip()
+    example = f"like {OPTION} ~/xla-cache, {OPTION} on or {OPTION} off" if where == OPTION else \
+        f"like {where}=~/xla-cache, {where}=on or {where}=off, or unset it"
     if text.lower() == "off":
         return CacheSetting(None, source=where)
     if text.lower() == "on":
         return CacheSetting(default_root(), forced=True, source=where)
     if not text:
-        raise UsageError(f"{where} takes a directory, on or off, not an empty value")
+        raise UsageError(f"{where} is empty: it takes a directory, on or off, {example}")
+    if text.lower() in ON_WORDS | OFF_WORDS:
+        meant = "on" if text.lower() in ON_WORDS else "off"
+        raise UsageError(f"{where} {text}: did you mean {meant}? It takes a directory, on or off; for a folder "
+                         f"named {text!r} here, give ./{text}")
     if "\0" in text:
         raise UsageError(f"{where} takes a directory, on or off: {value!r} holds a NUL character")
-    root = os.path.abspath(os.path.expanduser(text))
-    if os.path.exists(root) and not os.path.isdir(root):
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        user = expanded[1:].split(os.sep)[0]
+        raise UsageError(f"{where} {text}: there is no user {user!r} on this machine for ~{user} to name; give the "
+                         f"directory in full, {example}")
+    root = os.path.abspath(expanded)
+    blocking = _file_on_the_way(root)
+    if blocking == root:
         raise UsageError(f"{where} {text}: {root} is a file, not a directory. Give a directory for the cache "
                          f"(it is made if missing), or off")
+    if blocking is not None:
+        raise UsageError(f"{where} {text}: {blocking} is a file, so no directory can be made under it. Give a "
+                         f"directory for the cache (it is made if missing), or off")
     return CacheSetting(root, forced=True, source=where)
+
+
+def _unquoted(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _file_on_the_way(path: str) -> str | None:
+    """The nearest existing part of ``path`` when it is not a directory (the path itself, or a parent), or None."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
 
 
 def option(text: str) -> CacheSetting:
@@ -100,11 +142,45 @@ def resolve(given: CacheSetting | None, environ: Mapping[str, str] = os.environ)
     return CacheSetting(default_root())
 
 
+def for_hosts(given: CacheSetting | None, environ: Mapping[str, str] = os.environ) -> CacheSetting | None:
+    """What a pool across hosts sends each host: the option, else the kernel's variable; None leaves each host its
+    own default (under its own home, on what its own devices are)."""
+    setting = resolve(given, environ)
+    return None if setting.source == "default" else setting
+
+
+def refuse_for_one_cell(asked: CacheSetting, running: CacheSetting | None, on_cpu: bool, described: str) -> None:
+    """A pool cell's --compile-cache: the pool's ranks opened theirs when they started, so only what they do is
+    accepted (``running`` None: each host's own default, which is off on XLA:CPU)."""
+    if running is None and on_cpu:
+        running = CacheSetting(None)
+    if running is not None and asked.job(on_cpu) == running.job(on_cpu):
+        return
+    raise UsageError(
+        f"the pool's ranks opened their compilation cache when they started ({described}), so {OPTION} cannot "
+        f"change it for one cell. Leave it out to run in the pool, add --fresh for new ranks, or %xla_pool "
+        f"restart {OPTION} ... to replace the pool."
+    )
+
+
 def quiet_line(job: dict[str, Any] | None) -> Callable[[str], bool] | None:
-    """What of the ranks' stderr not to show: XLA:CPU's load warnings where the cache is forced on there."""
-    if not job or not job.get("quiet"):
+    """What of the ranks' stderr not to show: torch_xla's line for each graph it cannot load, wherever it
+    opened the cache (the account counts them, and ``unloadable_line`` says what they mean)."""
+    if not job:
         return None
-    return lambda line: CPU_LOAD_WARNING.search(line) is not None
+    return lambda line: LOAD_UNSUPPORTED.search(line) is not None
+
+
+def unloadable_line(accounts: list[dict[str, Any]], on_cpu: bool, told: set[str]) -> str | None:
+    """Once a session, where ranks on a device that is not XLA:CPU could load no graph their cache held: what
+    that means and what to do. On XLA:CPU the cache is forced on only to exercise the TPU's path (the report's
+    note says it there)."""
+    if on_cpu or UNLOADABLE in told or not any(account.get("cannot_load") for account in accounts):
+        return None
+    told.add(UNLOADABLE)
+    return (f"compile cache: this torch_xla could load none of the graphs its cache held here, so they compiled "
+            f"as without it (torch_xla 2.7 to 2.9 cannot load it on a TPU: pytorch/xla#9094), and the cache "
+            f"only costs disk. {OPTION} off, or {VARIABLE}=off, turns it off")
 
 
 # --- what the ranks reported ------------------------------------------------------

@@ -29,6 +29,12 @@ class History:
         self.run_count += 1
         return self.run_count
 
+    def cell_began(self, record: RunRecord, profiled: bool = False) -> None:
+        """A %%xla_spawn cell's record: %xla_report shows it next (and %xla_profile, if ``profiled``)."""
+        self.last_cell = record
+        if profiled:
+            self.last_profiled = record
+
     def remember(self, record: RunRecord) -> None:
         """Keep the record in the recent runs."""
         self.records = (self.records + [record])[-KEPT:]

@@ -1,18 +1,17 @@
-"""The magics: parse arguments, hand over to the session, show the result. Runs in the kernel.
-
-Runs in the kernel.
-"""
+"""The magics: parse arguments, hand over to the session, show the result. Runs in the kernel."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import keyword
 import sys
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 from IPython.display import display
 
 from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
@@ -23,6 +22,35 @@ from xla_magic.pools.interface import PoolOptions
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
 from xla_magic.run.watch import HANG_AFTER
+
+
+def parse_argstring(magic: Any, line: str) -> argparse.Namespace:
+    """IPython's parse of a magic's arguments; an option unknown only by its case or an underscore, or misspelt
+    (``--Compile-Cache``, ``--compile_cache``), gets the option it must be in the UsageError."""
+    try:
+        return _parse_argstring(magic, line)
+    except UsageError as exc:
+        hint = _option_hint(magic.parser, str(exc))
+        if hint is None:
+            raise
+        raise UsageError(f"{exc}. {hint}") from exc
+
+
+def _option_hint(parser: argparse.ArgumentParser, message: str) -> str | None:
+    if not message.startswith("unrecognized arguments:"):
+        return None
+    known = [option for option in parser._option_string_actions if option.startswith("--")]
+    for word in message.partition(":")[2].split():
+        if not word.startswith("-"):
+            continue
+        given = word.split("=")[0]
+        written = "--" + given.lstrip("-").lower().replace("_", "-")
+        if written in known:
+            return f"Options are lower case, with dashes: {written}"
+        close = difflib.get_close_matches(written, known, n=1)
+        if close:
+            return f"Did you mean {close[0]}?"
+    return None
 
 
 def device_count(text: str) -> int:
@@ -134,7 +162,8 @@ def compile_cache_argument(function: Any) -> Any:
         "--compile-cache", type=compile_cache.option, default=None, metavar="DIR",
         help=f"where new ranks keep torch_xla's persistent compilation cache, so that a kernel restart or a new "
         f"pool loads the graphs it compiled before instead of compiling them again: DIR (each rank process uses "
-        f"a folder of its own in it), on (the default directory), or off. Default: "
+        f"a folder of its own in it; a relative DIR is taken from the notebook's working directory), on (the "
+        f"default directory), or off. Default: "
         f"${compile_cache.VARIABLE} if set, else on a TPU under ~/.cache/xla_magic/compile-cache, and off on "
         f"XLA:CPU (the simulation), which cannot load it; a directory or on turns it on there too",
     )(function)

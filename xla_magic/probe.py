@@ -23,6 +23,7 @@ TPU_PCI_DEVICES = {
     "0x0063": ("v5e", 1),
     "0x0062": ("v5p", 1),
     "0x006f": ("v6e", 1),
+    "0x0076": ("v7x", 1),  # as torch_xla 2.9 counts it (_internal/tpu.py): one device per chip after v3
 }
 CPU_SIMULATION_MAX = 64
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from xla_magic.display import in_notebook
+from xla_magic.hosts.naming import tag
 from xla_magic.profile_lanes import Reader, digests_to_come, lanes
 from xla_magic.record import RunRecord
 from xla_magic.wire.trace import KINDS, STEPS, THINNEST_STEPS, Event, Lane, Run
@@ -97,7 +98,7 @@ def _who(ranks: list[int], where: dict[str, Any] | None = None) -> str:
 
 
 def _tag(rank: int, where: dict[str, Any]) -> str:
-    return f"h{where['host_index']} r{rank}" if "host_index" in where else f"r{rank}"
+    return tag(where["host_index"], rank) if "host_index" in where else f"r{rank}"
 
 
 def files(record: RunRecord, found: list[Lane]) -> list[str]:

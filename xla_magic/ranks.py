@@ -35,9 +35,8 @@ import termios
 import time
 from typing import Any
 
-from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, frame_writer, probe, sharding
+from xla_magic import compile_cache, frame_writer, probe
 from xla_magic.wire import protocol, transport
 from xla_magic.hosts import naming
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
@@ -374,70 +373,6 @@ class Ranks:
             return None
         return (f"the launcher process died ({describe_exit(launcher.process.returncode)}), and its ranks "
                 f"with it; the next cell starts a new launcher. " + see("launcher-died"))
-
-    def check_usable(self) -> None:
-        if self.state == "broken":
-            raise UsageError(
-                f"the pool is broken ({self.problem}). {RESTART_HINT}; %xla_pool stop goes back "
-                f"to one-shot ranks; --fresh runs this cell in newly spawned ranks."
-            )
-
-    def check_fits(self, devices: int | None, backend: str, spmd: sharding.SpmdOptions | None = None) -> None:
-        """A cell's --devices / --backend (and --spmd, --mesh, --axes) must agree with the running pool.
-
-        A cell without --spmd runs in an SPMD pool too: the pool says how it runs.
-        """
-        if self.one_value:
-            self._check_spmd_fits(devices, backend, spmd)
-            return
-        if spmd is not None:
-            raise UsageError(
-                f"a pool of {self.devices} ranks (one process per device) is running, so an --spmd cell cannot "
-                f"run in it. Use %xla_pool restart --spmd to make it an SPMD pool, %xla_pool stop first, or "
-                f"add --fresh to run this cell in a new SPMD process."
-            )
-        if devices is not None and devices != self.devices:
-            raise UsageError(
-                f"a pool of {self.devices} ranks is running, so --devices {devices} contradicts it. "
-                f"Leave --devices out to run in the pool, add --fresh to run in {devices} newly "
-                f"spawned ranks, or use %xla_pool restart --devices {devices} to replace the pool."
-            )
-        if backend != "auto" and backend != self.backend:
-            raise UsageError(
-                f"the running pool uses the {self.backend} backend, so --backend {backend} contradicts "
-                f"it. Leave --backend out, add --fresh, or use %xla_pool restart --backend {backend}."
-            )
-
-    def _check_spmd_fits(self, devices: int | None, backend: str, spmd: sharding.SpmdOptions | None) -> None:
-        where = f"an SPMD pool (one process, {self.devices} devices, mesh {self.placement.describe_mesh()})"
-        if devices is not None and devices != self.devices:
-            raise UsageError(
-                f"{where} is running, so --devices {devices} contradicts it. Leave --devices out to run in "
-                f"the pool, add --fresh to run in newly spawned ranks, or use %xla_pool restart --spmd "
-                f"--devices {devices} to replace the pool."
-            )
-        if backend != "auto" and backend != self.backend:
-            raise UsageError(
-                f"{where} on the {self.backend} backend is running, so --backend {backend} contradicts it. "
-                f"Leave --backend out, add --fresh, or use %xla_pool restart --spmd --backend {backend}."
-            )
-        if spmd is not None and (spmd.mesh is not None or spmd.axes is not None):
-            shape, names = sharding.mesh_layout(spmd.mesh, spmd.axes, self.devices)
-            if (shape, names) != (self.placement.mesh, self.placement.axes):
-                asked = " × ".join(f"{name}={size}" for name, size in zip(names, shape))
-                raise UsageError(
-                    f"{where} is running, and this cell asks for the mesh {asked}. Leave --mesh and --axes "
-                    f"out to run in the pool's mesh, or use %xla_pool restart --spmd {spmd.options()} "
-                    f"to replace the pool."
-                )
-
-    def check_fresh_allowed(self) -> None:
-        """On a TPU host the pool's ranks hold the chips, so fresh ranks could not open them."""
-        if self.backend == "tpu" and not self.cpu_threads and self.state != "broken":
-            raise UsageError(
-                "the pool's ranks hold this host's TPU chips, so --fresh ranks could not use them. "
-                "Run the cell in the pool (leave --fresh out), or %xla_pool stop first."
-            )
 
     # -- stopping -------------------------------------------------------------
 

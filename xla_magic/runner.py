@@ -62,8 +62,8 @@ class Runner:
         self.workdir = PrivateDir()
         self.launcher: Launcher | None = None
         self.cache_told: set[str] = set()  # why ranks ran without the compilation cache, once said (tell_cache)
-        self.post_mortem: post_mortem.PostMortem | None = None  # what %debug opens, until the next cell
-        self.let_go: post_mortem.PostMortem | None = None  # the last one let go, to say why %xla_debug has none
+        self.post_mortem: Any = None  # what %debug opens, until the next cell (PostMortem, or HostsPostMortem)
+        self.let_go: Any = None  # the last one let go, to say why %xla_debug has none
         self.ask: rank_input.Ask | None = None  # how its ranks' questions are asked (None: the kernel's own input)
 
     # -- the launcher ------------------------------------------------------
@@ -129,9 +129,7 @@ class Runner:
             record = self.record(run_id, cell.source, ranks)
             record.xla_report = report
             record.profile = profiled.get("profile", "")
-            self.history.last_cell = record  # %xla_report shows what XLA did in it
-            if cell.profile:
-                self.history.last_profiled = record  # %xla_profile shows it again
+            self.history.cell_began(record, cell.profile)  # %xla_report shows what XLA did in it, %xla_profile its profile
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
                               live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask)
@@ -149,16 +147,16 @@ class Runner:
                 return ranks.value(request.wait())
             except RankError as error:
                 if post_mortem.keeps(ranks, error):
-                    self.post_mortem = post_mortem.PostMortem(ranks, error, run_id)
-                    error.post_mortem = self.post_mortem
-                    error.debug_note = self.post_mortem.note()
+                    self.keep_for_debug(post_mortem.PostMortem(ranks, error, run_id), error)
                 else:
                     error.not_kept = post_mortem.why_not(ranks, error)
                 raise
             finally:
                 if launching:
                     self.tell_cache(ranks)
-                xla_report.after_cell(record)
+                if ranks.world is None:  # one host's part of a world says nothing: the kernel tells every host's
+                    xla_report.after_cell(record)
+                    self.tell_unloadable(ranks.placement.on_cpu, record)
                 if reader is not None:
                     self.history.listeners.remove(reader.notice)
                     profile_view.after_cell(record, reader)
@@ -228,6 +226,11 @@ class Runner:
             if kept.parked:
                 self.release_post_mortem("the debugger was left, which lets a one-shot cell's kept ranks go")
 
+    def keep_for_debug(self, kept: Any, error: RankError) -> None:
+        """What %debug opens after ``error``, until the next cell (a PostMortem, or a pool across hosts' own)."""
+        self.post_mortem = kept
+        error.post_mortem, error.debug_note = kept, kept.note()
+
     def release_post_mortem(self, why: str = "the session ended") -> None:
         """The kept failed cell's frames are let go (``why``, as a later %debug of it says)."""
         kept, self.post_mortem = self.post_mortem, None
@@ -238,6 +241,13 @@ class Runner:
     def tell_cache(self, ranks: Ranks) -> None:
         """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""
         line = compile_cache.problem_line(ranks.cache_facts, self.cache_told)
+        if line:
+            xla_report.say(line)
+
+    def tell_unloadable(self, on_cpu: bool, record: RunRecord) -> None:
+        """Once a session: ranks on a TPU whose torch_xla could load nothing its compile cache held."""
+        accounts = [state.xla for state in record.ranks.values() if state.xla]
+        line = compile_cache.unloadable_line(accounts, on_cpu, self.cache_told)
         if line:
             xla_report.say(line)
 

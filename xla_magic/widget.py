@@ -176,10 +176,10 @@ def pool_facts(pool: Pool | None) -> list[Fact]:
 
 def cache_fact(session: Session) -> Fact:
     """torch_xla's persistent compilation cache: the pool's, or what new ranks would get; its size, how to clear it."""
-    ranks = getattr(session.current_pool(), "ranks", None)  # a pool on this host; across hosts each host has its own
+    pool = session.current_pool()
     try:
-        if ranks is not None:
-            return Fact("Cache", compile_cache.fact(ranks.cache, ranks.placement.on_cpu, ranks.cache_facts))
+        if pool is not None:
+            return Fact("Cache", pool.cache_fact())
         return Fact("Cache", compile_cache.fact(compile_cache.resolve(None), probe.place("auto", None).on_cpu, None))
     except (UsageError, probe.PlacementError) as exc:
         return Fact("Cache", str(exc), alarm=True)

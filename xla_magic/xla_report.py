@@ -114,15 +114,15 @@ def summary(record: RunRecord) -> str | None:
 
 
 def _cache_loads(account: dict[str, Any]) -> list[str]:
-    """Graphs loaded from the persistent compilation cache instead of compiled; those it could not load
-    (not on XLA:CPU, which never can: the simulation only exercises the TPU's path)."""
+    """Graphs loaded from the persistent compilation cache instead of compiled; those it could not load where
+    torch_xla can load (where it cannot at all, the report's note and compile_cache.unloadable_line say so)."""
     findings = []
     if account.get("loaded"):
         findings.append(f"{_graphs(account['loaded'])} loaded from the compile cache "
                         f"({_seconds(account['load_seconds'])}) instead of compiled")
     if account.get("load_failures") and not account.get("cannot_load"):
         findings.append(f"{_graphs(account['load_failures'])} in the compile cache could not be loaded and "
-                        f"compiled again (written by another torch_xla or libtpu?)")
+                        f"compiled again (a damaged or half-written file, which torch_xla replaced)")
     return findings
 
 
@@ -485,8 +485,9 @@ def _notes(record: RunRecord) -> list[str]:
         notes.append("causes: not known, because PT_XLA_DEBUG_LEVEL / PT_XLA_DEBUG_FILE are set by you "
                      "(torch_xla's own output goes where you asked)")
     if any(group.account.get("cannot_load") for group in found):
-        notes.append("loaded: XLA:CPU cannot load what the compile cache holds, so each graph it held compiled "
-                     "again; the cache was forced on here, which exercises the TPU's path, not its speed-up")
+        notes.append("loaded: this torch_xla cannot load what the compile cache holds here, so each graph it "
+                     "held compiled again: XLA:CPU never can (there the cache only exercises the TPU's path), "
+                     "and torch_xla 2.7 to 2.9 cannot on a TPU either (pytorch/xla#9094)")
     if any(group.shared for group in found):
         notes.append("rank threads of one process share torch_xla's counters: their row counts them together")
     return notes

@@ -25,6 +25,7 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
+from xla_magic import compile_cache
 from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
@@ -64,6 +65,7 @@ class HostOutcome(TypedDict, total=False):
     stacks: dict[int, dict[str, Any]]  # failed, interrupted: where each rank was at the stop, by local rank
     stacks_when: str  # failed, interrupted: when that was (the watch's words: "at the interrupt", ...)
     profile: list[profiles.SentTrace]  # a --profile cell: this host's trace files (hosts/profiles.py)
+    accounts: list[dict[str, Any]]  # a cell: what XLA did in each rank process (its ranks local), however it ended
 
 
 class Here:
@@ -81,7 +83,7 @@ class Here:
         self._told: Any = None  # the last news sent, so that nothing goes twice
 
     def _tell_kernel(self, record: RunRecord) -> None:
-        """The running cell's news, live, for the kernel's one view of every host's ranks (hosts/request.py):
+        """The running cell's news, live, for the kernel's one view of every host's ranks (run/across_hosts.py):
         each rank's state and place, where its sampler last said it was and for how long, by local rank.
 
         Sent as ipyparallel data (``publish_data``) on the engine's IOPub while the call runs: the engine
@@ -204,8 +206,10 @@ def ranks_here(devices: int | None, backend: str) -> HostOutcome:
     return _outcome(count)
 
 
-def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
-    """Start this host's pool ranks as the ``world`` part the kernel says; the value: their pids by local rank.
+def start(world: protocol.World, devices: int, backend: str,
+          cache: compile_cache.CacheSetting | None = None) -> HostOutcome:
+    """Start this host's pool ranks as the ``world`` part the kernel says, with the kernel's ``--compile-cache``
+    (None: this host's default); the value: their pids, and how each opened its compile cache, by local rank.
 
     Again on a host that has a pool (the kernel's ``%xla_pool restart``): its ranks end and new ones start,
     with the same launcher and the kernel's values this host holds."""
@@ -217,16 +221,17 @@ def start(world: protocol.World, devices: int, backend: str) -> HostOutcome:
     else:
         here.renew(world)
 
-    def start_pool() -> dict[int, int]:
-        here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend), world)
-        return dict(here.pool.pids)
+    def start_pool() -> dict[str, Any]:
+        here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend, compile_cache=cache),
+                                    world)
+        return {"pids": dict(here.pool.pids), "cache": dict(here.pool.ranks.cache_facts)}
 
     return _outcome(start_pool)
 
 
 def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
              kernel_place: dict[str, Any], profile: bool = False, hang_after: float | None = None,
-             run_id: int | None = None) -> HostOutcome:
+             run_id: int | None = None, xla_report: str = "auto") -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
     The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
@@ -235,21 +240,24 @@ def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeou
     here = _require()
     _number(here, run_id)
     values = _take(here, sent, names)
-    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after)
-    return _profiled(here, cell, lambda: _pool(here).run_cell(cell))
+    cell = Cell(source, values, timeout=timeout, place=kernel_place, profile=profile, hang_after=hang_after,
+                xla_report=xla_report)
+    return _told(here, cell, lambda: _pool(here).run_cell(cell))
 
 
 def run_fresh(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeout: float | None,
               kernel_place: dict[str, Any], world: protocol.World, devices: int, profile: bool = False,
-              hang_after: float | None = None, run_id: int | None = None) -> HostOutcome:
+              hang_after: float | None = None, run_id: int | None = None,
+              cache: compile_cache.CacheSetting | None = None, xla_report: str = "auto") -> HostOutcome:
     """A cell in ranks spawned for it on this host, as its part of a fresh ``world`` across the hosts."""
     here = _require()
     _number(here, run_id)
     values = _take(here, sent, names)
     pool = _pool(here)
     cell = Cell(source, values, devices=devices, backend=pool.ranks.backend, timeout=timeout, fresh=True,
-                place=kernel_place, profile=profile, hang_after=hang_after)
-    return _profiled(here, cell, lambda: pool.run_fresh(cell, world))
+                place=kernel_place, profile=profile, hang_after=hang_after, compile_cache=cache,
+                xla_report=xla_report)
+    return _told(here, cell, lambda: pool.run_fresh(cell, world))
 
 
 def _number(here: Here, run_id: int | None) -> None:
@@ -258,10 +266,15 @@ def _number(here: Here, run_id: int | None) -> None:
         here.runs.run_count = run_id - 1
 
 
-def _profiled(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
-    """``call``'s outcome; a --profile cell's with this host's trace files (``profile``), however it ended."""
-    before = here.runs.last_profiled
+def _told(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
+    """``call``'s outcome, with what XLA did in each rank process (``accounts``: the kernel reports every host's)
+    and, for a --profile cell, this host's trace files (``profile``), however it ended."""
+    before, began = here.runs.last_profiled, here.runs.last_cell
     outcome = _outcome(call)
+    record = here.runs.last_cell
+    if record is not None and record is not began:
+        shared = {id(state.xla): state.xla for state in record.ranks.values() if state.xla is not None}
+        outcome["accounts"] = list(shared.values())  # rank threads of one process share one
     if cell.profile:
         record = here.runs.last_profiled
         outcome["profile"] = profiles.collect(record if record is not before else None)
@@ -339,6 +352,7 @@ def status() -> dict[str, Any]:
         if pool is not None and pool.state != "stopped":
             facts["pool"] = {"state": pool.state, "problem": pool.problem, "pids": dict(pool.pids),
                              "describe": pool.ranks.describe()}
+            facts["cache"] = pool.cache_fact()  # its size read here, on this host's disk
     return facts
 
 

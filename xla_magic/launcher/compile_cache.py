@@ -39,7 +39,7 @@ from typing import Any
 MIN_FREE_BYTES = 256 << 20  # below this the disk counts as full: an executable of a large model takes hundreds of MB
 _PROBE_BYTES = 64 << 10
 
-_setting: dict[str, Any] | None = None  # the job's: root and quiet, or None (off); set in the supervisor
+_setting: dict[str, Any] | None = None  # the job's: its root, or None (off); set in the supervisor
 _lock = threading.Lock()
 _started_pid: int | None = None
 _fact: dict[str, Any] | None = None

@@ -328,8 +328,10 @@ class Span:
             "loaded": loaded,
             "load_seconds": _seconds_since((LOAD_TIME,), start.wall, tried) if tried else 0.0,
             "load_failures": load_failures,
-            # XLA:CPU cannot load what it wrote: its failures are expected, not a stale cache
-            "cannot_load": bool(load_failures) and _platform() == "cpu",
+            # Its folder is keyed by torch_xla's and the platform's builds, so a process that fails to load what
+            # it holds and never loaded any graph cannot load here at all (XLA:CPU; a TPU with torch_xla 2.7 to
+            # 2.9: pytorch/xla#9094), which is not a stale or damaged cache
+            "cannot_load": bool(load_failures) and not end.counters.get(LOADED, 0),
             "executions": executions,
             "execute_seconds": execute_seconds,
             "transfers": max(0, end.transfers - start.transfers - own_transfers),

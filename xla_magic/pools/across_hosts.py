@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, place, profile_view
+from xla_magic import compile_cache, payload, place, profile_view, xla_report
 from xla_magic.wire import protocol
 from xla_magic.display import RankError
 from xla_magic.hosts import discovery, link, on_host, profiles
@@ -75,7 +75,12 @@ class HostsPool:
         self.links: dict[int, link.Link] = {}  # each host's link to the kernel, for its ranks' questions
         self.cells = 0
         self.hang_after: float | None = None  # --hang-after, for the pool's cells that give none (watch.py)
+        self.xla_report = "auto"  # --xla-report, for the pool's cells that give none
         self.live_lines = False  # the watchdog's line updated in place: the kernel is a notebook's
+        # torch_xla's compilation cache: what every host's ranks are told (None: each host's own default, under
+        # its home), and what each global rank reported when it was ready (its folder, or why it has none).
+        self.cache: compile_cache.CacheSetting | None = None
+        self.cache_facts: dict[int, dict[str, Any]] = {}
         self.started = time.time()
         self.start_seconds: float | None = None
         # The kernel's environment as the pool started: its changes since then travel to every host's ranks.
@@ -101,9 +106,6 @@ class HostsPool:
                              "hosts with --backend tpu")
         if options.spmd is not None:
             raise UsageError("--spmd on several hosts is not supported yet: leave --spmd out (one rank per device)")
-        if options.compile_cache is not None:
-            raise UsageError("--compile-cache is per host: across hosts each host's ranks use its default, or "
-                             "XLA_MAGIC_COMPILE_CACHE in the environment its engine starts with; leave it out")
         if importlib.util.find_spec("ipyparallel") is None:
             raise UsageError("a pool across hosts runs on ipyparallel, which is not installed in this kernel: "
                              "pip install 'ipyparallel>=8.6' (the hosts extra) here and on every host, then start it again")
@@ -114,6 +116,8 @@ class HostsPool:
         cls.check_options(options)
         pool = cls(runner, list(options.hosts or ()), options.devices, options.backend or "auto", options.template)
         pool.hang_after, pool.live_lines = options.hang_after, options.live_lines
+        pool.cache = compile_cache.for_hosts(options.compile_cache)
+        pool.xla_report = options.xla_report or "auto"
         pool.start_all()
         return pool
 
@@ -132,11 +136,15 @@ class HostsPool:
             self.stop()
             return HostsPool.start(self.runner, options.but(
                 hosts=self.hosts, template=self.template, devices=options.devices or self.devices,
-                backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after))
+                backend=options.backend or self.backend, hang_after=options.hang_after or self.hang_after,
+                compile_cache=options.compile_cache or self.cache, xla_report=options.xla_report or self.xla_report))
         self.check_options(options)
         self.requested_devices = options.devices or self.devices
         self.backend = options.backend or self.backend
         self.hang_after = options.hang_after or self.hang_after
+        self.xla_report = options.xla_report or self.xla_report
+        if options.compile_cache is not None:
+            self.cache = compile_cache.for_hosts(options.compile_cache)
         self.state, self.problem, self.cells, self.started = "starting", None, 0, time.time()
         self.start_all(with_cluster=False)
         return self
@@ -261,10 +269,17 @@ class HostsPool:
                              f"a count every host has")
         self.devices = counts[0]
         self.backend = here[0]["backend"]
-        calls = [self.client[engine].apply_async(on_host.start, world, self.devices, self.backend)
+        calls = [self.client[engine].apply_async(on_host.start, world, self.devices, self.backend, self.cache)
                  for engine, world in zip(self.engines, self._worlds())]
         request = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False)
-        self._take_pids(request.wait())
+        started = request.wait()
+        self._take_pids([host["pids"] for host in started])
+        # How every host's ranks' compile cache went, said once for the world (the hosts' own words are not shown).
+        self.cache_facts = {index * self.devices + rank: fact for index, host in enumerate(started)
+                            for rank, fact in host["cache"].items()}
+        line = compile_cache.problem_line(self.cache_facts, self.runner.cache_told)
+        if line:
+            print(line, flush=True)
 
     def _worlds(self) -> list[protocol.World]:
         """Every host's part of one world, meeting at a store port free now on host 0."""
@@ -341,10 +356,13 @@ class HostsPool:
             raise UsageError(f"the pool across hosts runs {self.devices} ranks per host, so --devices "
                              f"{cell.devices} contradicts it; leave --devices out, or %xla_pool restart "
                              f"--devices {cell.devices}")
+        if cell.compile_cache is not None and not cell.fresh:
+            compile_cache.refuse_for_one_cell(cell.compile_cache, self.cache, self.backend == "cpu",
+                                              self._cache_described())
         sending = self.shipping.prepare(user_values(cell))  # checked here, run by each host's pool
         # The kernel's place (directory, sys.path, environment) with every cell: each host applies what changed.
         here = place.current(place.environment_changes(self.base_environment))
-        hang_after = cell.hang_after or self.hang_after
+        hang_after, report = cell.hang_after or self.hang_after, cell.xla_report or self.xla_report
         run_id = self.runner.history.next_run_id()  # the hosts name the cell by it too: <xla_spawn cell N>
         if cell.fresh:
             devices = cell.devices or self.devices
@@ -352,26 +370,29 @@ class HostsPool:
                       for w in self._worlds()]
             calls = self._call_hosts(on_host.run_fresh, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, world, devices,
-                 cell.profile, hang_after, run_id) for index, world in enumerate(worlds)])
+                 cell.profile, hang_after, run_id, cell.compile_cache, report) for index, world in enumerate(worlds)])
         else:
             devices = self.devices
             calls = self._call_hosts(on_host.run_cell, [
                 (cell.source, sending.for_host(index), sending.names, cell.timeout, here, cell.profile, hang_after,
-                 run_id) for index in range(len(self.hosts))])
+                 run_id, report) for index in range(len(self.hosts))])
         record = self._record(cell.source, devices, run_id)
+        record.xla_report = report
+        self.runner.history.cell_began(record)  # %xla_report shows what XLA did on every host
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
                                notebook=cell.live_lines or self.live_lines)
         try:
             values_by_host = self._follow(request)
         except RankError as error:
             if error.debuggable and not cell.fresh and self.state != "broken":  # %debug opens it (hosts/debugging.py)
-                kept = self.runner.post_mortem = HostsPostMortem(self, error, record.run_id)
-                error.post_mortem, error.debug_note = kept, kept.note()
+                self.runner.keep_for_debug(HostsPostMortem(self, error, record.run_id), error)
             elif cell.fresh:
                 error.not_kept = NOT_KEPT_FRESH_HOSTS
             raise
         finally:
             self.shipping.delivered(sending, request.reached())
+            xla_report.after_cell(record)  # every host's accounts, as on one host (run/across_hosts.py)
+            self.runner.tell_unloadable(self.backend == "cpu", record)
             if cell.profile:  # every host's traces, however the cell ended (hosts/profiles.py)
                 self._show_profile(record, request, devices)
         if not cell.fresh:
@@ -380,7 +401,7 @@ class HostsPool:
 
     def _show_profile(self, record: RunRecord, request: HostsRequest, devices: int) -> None:
         profiles.store(record, request.outcomes, self.hosts, devices, self.workdir.new(f"profile-{record.run_id}-"))
-        self.runner.history.last_profiled = record  # %xla_profile shows it again
+        self.runner.history.cell_began(record, profiled=True)  # %xla_profile shows it again
         profile_view.after_cell(record)
 
     def debug(self, rank: int, run_id: int) -> None:
@@ -444,6 +465,19 @@ class HostsPool:
 
     def facts(self) -> list[tuple[str, str]]:
         return [("Pool", f"across hosts: {self.describe()}")] + self.host_lines()
+
+    def cache_fact(self) -> str:
+        """Each host's cache, as its engine last said (its size read there); where none said, what it was told."""
+        said = [(row["index"], row["cache"]) for row in (self._rows or self.status()) if row.get("cache")]
+        if not said:
+            return self._cache_described()
+        return "; ".join(f"h{index}: {text}" for index, text in said)
+
+    def _cache_described(self) -> str:
+        if self.cache is None:
+            return ("each host's default (off on XLA:CPU; on a TPU under its own ~/.cache/xla_magic/compile-cache, "
+                    "or its XLA_MAGIC_COMPILE_CACHE)")
+        return self.cache.describe(self.backend == "cpu")
 
     def describe(self) -> str:
         state = self.state if self.problem is None else f"{self.state} ({self.problem})"

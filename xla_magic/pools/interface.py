@@ -93,6 +93,10 @@ class Pool(Protocol):
     def facts(self) -> list[tuple[str, str]]:
         """(label, text) lines for %xla_status: the pool, then (across hosts) each host."""
 
+    def cache_fact(self) -> str:
+        """%xla_status's Cache line: where the pool's ranks keep torch_xla's compilation cache, how big, how to
+        clear it (across hosts: each host's)."""
+
     def restart(self, options: PoolOptions) -> Pool:
         """Fresh ranks like these, with ``options`` changed; this pool is stopped (unless the options are bad)."""
 

@@ -5,7 +5,7 @@ workers do with or without ``max_tasks_per_child``: a one-shot set is
 launched with its one request, and its ranks answer it and leave; a pool's
 ranks serve request after request and keep their namespaces, devices and
 compiled graphs. The policy is decided once, when the set is made
-(runner.py: one-shot; local_pool.py: a pool), and sent to the ranks with
+(runner.py: one-shot; pools/this_host.py: a pool), and sent to the ranks with
 their job under its name (``protocol.ONE_SHOT`` or ``protocol.POOL``,
 read by launcher/serve.py). A request (request.py) asks the set's policy
 what each event means for the ranks and how to word what happened; the

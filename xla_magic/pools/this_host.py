@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from IPython.core.error import UsageError
 
 from xla_magic import compile_cache, payload, sharding
-from xla_magic.pools import policy
+from xla_magic.pools import admission, policy
 from xla_magic.run import watch
 from xla_magic.wire import protocol, transport
 from xla_magic.launcher_client import READY_TIMEOUT
@@ -110,32 +110,28 @@ class LocalPool:
     def check_start(self, options: PoolOptions) -> None:
         if options.hosts is not None:
             raise UsageError("a pool is already running: %xla_pool stop it first, or %xla_pool restart")
-        self.ranks.check_usable()
-        self.ranks.check_fits(options.devices, options.backend or "auto", options.spmd)
+        admission.check_usable(self.ranks)
+        admission.check_fits(self.ranks, options.devices, options.backend or "auto", options.spmd)
 
     def run_cell(self, cell: Cell) -> Any:
         ranks = self.ranks
         if cell.fresh:
             return self.run_fresh(cell)
-        ranks.check_fits(cell.devices, cell.backend, cell.spmd)
-        if cell.compile_cache is not None and cell.compile_cache != ranks.cache:
-            raise UsageError(
-                f"the pool's ranks opened their compilation cache when they started "
-                f"({ranks.cache.describe(ranks.placement.on_cpu)}), so --compile-cache cannot change it for one "
-                f"cell. Leave it out to run in the pool, add --fresh for new ranks, or %xla_pool restart "
-                f"--compile-cache ... to replace the pool."
-            )
-        ranks.check_usable()
+        admission.check_fits(ranks, cell.devices, cell.backend, cell.spmd)
+        if cell.compile_cache is not None:
+            on_cpu = ranks.placement.on_cpu
+            compile_cache.refuse_for_one_cell(cell.compile_cache, ranks.cache, on_cpu, ranks.cache.describe(on_cpu))
+        admission.check_usable(ranks)
         self.runner.guard_kernel(ranks)
         return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report, cell.hang_after or ranks.hang_after)
 
     def run_fresh(self, cell: Cell, world: protocol.World | None = None) -> Any:
         """``cell`` in ranks spawned for it beside the pool's (one host's part of a fresh ``world``, if given)."""
-        self.ranks.check_fresh_allowed()
+        admission.check_fresh_allowed(self.ranks)
         return self.runner.one_shot(cell, world)
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
-        self.ranks.check_usable()
+        admission.check_usable(self.ranks)
         check_names(names, user_ns)
         values = {name: user_ns[name] for name in names}
         segments = transport.RunSegments()  # large values: mapped by every rank, unlinked once all have
@@ -147,7 +143,7 @@ class LocalPool:
 
     def pull(self, name: str, rank: int | None) -> Any:
         ranks = self.ranks
-        ranks.check_usable()
+        admission.check_usable(ranks)
         if rank is not None and ranks.one_value:
             raise UsageError("an SPMD pool is one process, so its value has no --rank: leave --rank out")
         check_rank(rank, ranks.devices, "the pool")
@@ -182,3 +178,7 @@ class LocalPool:
 
     def facts(self) -> list[tuple[str, str]]:
         return [("Pool", self.ranks.describe())]
+
+    def cache_fact(self) -> str:
+        ranks = self.ranks
+        return compile_cache.fact(ranks.cache, ranks.placement.on_cpu, ranks.cache_facts)

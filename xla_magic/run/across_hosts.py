@@ -34,7 +34,7 @@ TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
 
 
 class HostsRequest:
-    """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (hosts/pool.py's HostsPool).
+    """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (pools/across_hosts.py's HostsPool).
 
     With a ``record`` (a run in the session's history), the request keeps its
     ranks' states and lines as the hosts' output and outcomes come in, and
@@ -132,6 +132,9 @@ class HostsRequest:
                 state.state = ("done" if said["outcome"] == "ok" else "failed" if local in failed
                                else "killed" if said["outcome"] in ("interrupted", "failed") else "failed")
                 state.ended = time.monotonic()
+        for index, said in self.outcomes.items():  # what XLA did on every host, by global rank
+            for account in said.get("accounts", ()):
+                record.take("xla", dict(account, ranks=[index * self.devices + rank for rank in account["ranks"]]))
         record.outcome = outcome
         record.duration = time.time() - record.started
         self.history.notify(record)

@@ -27,7 +27,7 @@ class Followed(Protocol):
     """What the watchdog reads of the run it follows, and the two things it does to it (request.py's Request)."""
 
     record: RunRecord
-    ranks: Any  # the set's naming, pids and ask_where (ranks.py)
+    ranks: Any  # the set's naming, pids, world and ask_where (ranks.py)
     targets: list[int]
     done: set[int]
     failures: dict[int, Any]
@@ -95,8 +95,8 @@ class Watch:
         self._quiet_since = time.monotonic()
         self._looked = 0.0
         self._at: dict[int, tuple[tuple, float]] = {}  # rank -> (its point, since when it is there)
-        # A host of several says nothing itself: the kernel judges every host's ranks together (hosts/request.py).
-        self.line = HangLine(notebook) if not getattr(request.ranks, "world", None) else None
+        # A host of several says nothing itself: the kernel judges every host's ranks together (run/across_hosts.py).
+        self.line = HangLine(notebook) if request.ranks.world is None else None
         self._capturing = False
 
     @property

@@ -104,7 +104,7 @@ class XlaAccount(TypedDict):
     loaded: int  # graphs loaded from the persistent compilation cache instead of compiled
     load_seconds: float
     load_failures: int  # graphs the persistent cache held but could not load (compiled again)
-    cannot_load: bool  # the platform cannot load executables at all (XLA:CPU): the failures are expected
+    cannot_load: bool  # this torch_xla cannot load executables here at all (XLA:CPU, pytorch/xla#9094 on TPU)
     executions: int
     execute_seconds: float
     transfers: int
