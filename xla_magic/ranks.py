@@ -258,6 +258,19 @@ class Ranks:
         if sent < len(frame):
             self.send(rank, frame[sent:])
 
+    def tell(self, ranks: list[int], frame: bytes) -> None:
+        """A few bytes to ``ranks`` that answer nothing (DIGEST): gone or full sockets are skipped."""
+        for rank in ranks:
+            sock = self.events[rank].sock
+            if sock.fileno() < 0:
+                continue
+            try:
+                sent = sock.send(frame)
+            except OSError:
+                continue
+            if 0 < sent < len(frame):
+                self.send(rank, frame[sent:])
+
     def ask_where(self, ranks: list[int], probe: int, everything: bool = False, with_locals: bool = False) -> list[int]:
         """Ask ``ranks``' samplers where they are (their answers come on the same sockets); those asked.
 

@@ -241,6 +241,8 @@ class RankServer:
                     return
                 if request.kind == protocol.LEND:  # for the next request's results
                     self.results.lend(request.fields, self.channel)
+                elif request.kind == protocol.DIGEST:  # every rank answered: read the profile's trace now
+                    profiling.digest_now()
                 # SHOWN or INPUT_REPLY here answers a display or a question that an interrupt stopped waiting for
                 elif request.kind not in (protocol.SHOWN, protocol.INPUT_REPLY) and \
                         request.fields.get("seq") != self._answered:
@@ -332,7 +334,7 @@ class RankServer:
             self._answered = seq
             self.channel.sock.sendall(frames)
         after, self._after_reply = self._after_reply, []
-        for job in after:  # (profiling.write_digest: never raises)
+        for job in after:  # (profiling.digest_later: never raises)
             job()
         xla_account.settle()  # the next cell's start read, off its path
 
@@ -418,7 +420,7 @@ class RankServer:
             if where is not None:
                 self._profile_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
                 if where.get("digest_file"):
-                    self._after_reply.append(lambda: profiling.write_digest(where))
+                    self._after_reply.append(lambda: profiling.digest_later(where))
 
     @contextlib.contextmanager
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:

@@ -38,7 +38,7 @@ from xla_magic.pools.policy import RESTART_HINT
 from xla_magic.ranks import Conn, Ranks, describe_exit
 from xla_magic.record import RankState, RunRecord
 from xla_magic.run.watch import Watch
-from xla_magic.wire import result_memory
+from xla_magic.wire import protocol, result_memory
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 TICK_INTERVAL = 0.5  # how often listeners hear of a running request with no news
@@ -205,6 +205,8 @@ class Request:
         """However the request ended: the output it left, its untaken results, the set's state."""
         self.drain_output()
         result_memory.MEMORY.take_back(self.lent)  # what the ranks did not write over: they closed it
+        if self.record.profile and self.ranks.policy.stops_cells_only:
+            self.ranks.tell(self.targets, protocol.encode(protocol.DIGEST))  # a pool's ranks read their traces now
         if self.record.outcome == "running":  # the stop itself was broken off
             self.finish("interrupted" if self.stop_reason == "interrupt" else "failed")
         self.ranks.request_over(self.has_result)

@@ -55,6 +55,9 @@ DEBUG = "debug"  # pdb's post-mortem in the frames of the rank's last failed cel
 # segments the next request's large results may be written over (wire/result_memory.py): their ``numbers``,
 # their descriptors sent with the frame's first byte (SCM_RIGHTS) (not a request)
 LEND = "lend"
+# the request is over on every rank: a rank that holds a --profile cell's trace reads it now (launcher/profiling.py),
+# not while other ranks still run their cells (not a request)
+DIGEST = "digest"
 # rank -> kernel (output travels as raw bytes on the stdout/stderr sockets)
 RESULT = "result"
 ERROR = "error"
