@@ -15,7 +15,10 @@ note gives the median of the rounds' ratios.
   already has); the note also gives a copy into new memory
   (``src.copy()``), which a kept result needs. Between rounds the user
   drops the last result (``del out``, ``%reset -f out``), as the baseline
-  drops its copy, so each round finds memory as the last one left it.
+  drops its copy, so each round finds memory as the last one left it: the
+  dropped result's pages take the next one (wire/result_memory.py). Then
+  the same rounds with that reuse off, every result in new memory, against
+  a copy into new memory.
 - The same for numpy arrays, and for ``%xla_pool pull`` (minus pulling a
   number).
 - Ship: a new 1 GiB tensor read by every rank of the pool's cell, minus the
@@ -129,6 +132,28 @@ def gather_rows(kernel: Kernel) -> list[Row]:
             f"target: at most 1.5x; a copy into new memory (src.copy()), as a kept result needs, took "
             f"{statistics.median(fresh) * 1000:.0f} ms: ours over it, {ratio_note(ours, fresh)}",
         ))
+    # The same tensors with the kernel keeping no dropped result's pages (XLA_MAGIC_RESULT_REUSE=0): every
+    # result is written into new memory, as when the notebook keeps its results.
+    kernel.run("%env XLA_MAGIC_RESULT_REUSE=0")
+    try:
+        fresh_times = alternate(kernel, {"none": "%%xla_spawn -o out\nNone", "big": "%%xla_spawn -o out\nbig",
+                                         "memcpy": "numpy.copyto(dst, src)", "copy": "d = src.copy()",
+                                         "bare": "pass"}, ROUNDS, between=FORGET + "\nd = None")
+    finally:
+        kernel.run("%env XLA_MAGIC_RESULT_REUSE=")
+    ours = added(fresh_times, "big", "none")
+    memcpy = added(fresh_times, "memcpy", "bare")
+    fresh = added(fresh_times, "copy", "bare")
+    rows.append((
+        f"the same tensors, each result in new memory (XLA_MAGIC_RESULT_REUSE=0), through a real kernel "
+        f"(median of {ROUNDS})",
+        statistics.median(ours) * 1000,
+        statistics.median(fresh) * 1000,
+        "ms",
+        f"added to the cell; baseline: a copy of the same {total >> 20} MiB into new memory in the kernel "
+        f"(src.copy()), in the same rounds; {ratio_note(ours, fresh)}; one memcpy into memory the kernel already "
+        f"had took {statistics.median(memcpy) * 1000:.0f} ms: ours over it, {ratio_note(ours, memcpy)}",
+    ))
     kernel.run("del src, dst, d")
     return rows
 

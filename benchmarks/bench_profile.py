@@ -1,16 +1,17 @@
 """What ``--profile`` costs beside torch_xla's profiler alone: the same training cell, in one run.
 
 Runs as a script (``python benchmarks/bench_profile.py``, prints a table) or
-under benchmarks/run.py (``main()`` returns the rows). One real IPython
-shell with the extension loaded, one warm pool on the CPU simulation; the
-cell runs in rounds, each kind once per round, the order reversed every
-other round (so drift in the machine's load falls on all alike), as:
+under benchmarks/run.py (``main()`` returns the rows). One real Jupyter
+kernel (jupyter_client, as a notebook's is) with the extension loaded, one
+warm pool on the CPU simulation; every cell is timed from submitted to the
+kernel idle again, its outputs included. The cell runs in rounds, each kind
+once per round, the order reversed every other round (so drift in the
+machine's load falls on all alike), as:
 
-- ``%%xla_spawn --profile`` shown as in a notebook (each rank traces it, the
-  kernel reads every trace and shows the profile through ``display()``,
-  which asks for the HTML timeline and the text, as Jupyter's kernel does:
-  the extension is told it is in a notebook for these cells);
-- ``%%xla_spawn --profile`` shown as in a terminal (the text summary);
+- ``%%xla_spawn --profile`` in the notebook (each rank traces it; the kernel
+  shows a placeholder and fills in the HTML timeline by its display id);
+- ``%%xla_spawn --profile`` shown as in a terminal (the kernel is told it is
+  in one, and prints the text summary);
 - a plain cell that calls ``xp.start_trace``/``xp.stop_trace`` around the
   same steps itself: the profiler alone, the baseline;
 - the plain cell with no profiler, which says what the profiler itself costs;
@@ -64,7 +65,7 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-from bench_pool import start_shell
+from bench_kernel import Kernel
 
 RANKS = 4
 ROUNDS = 11  # cells of each kind
@@ -129,65 +130,69 @@ COMPLETE: dict[str, list[float]] = {}  # by kind: seconds from the cell's start 
 _last_complete: list[float] = []
 
 
-def cell_time(shell: Any, line: str, cell: str) -> float:
-    """The cell's time, until it returned; a pool's profile is filled in after that (profile_view.after_cell):
-    its time until complete goes to _last_complete, and no cell starts before it is (as the next %%xla_spawn
-    waits for it), so the ranks' digests fall on no other kind's cell."""
-    from IPython.utils.capture import capture_output
+class Notebook:
+    """A real Jupyter kernel (jupyter_client, as a notebook's is), each cell timed from submitted to idle."""
 
-    from xla_magic import profile_view
+    def __init__(self) -> None:
+        self.kernel = Kernel()
+        self.kernel.run("%load_ext xla_magic\nfrom xla_magic import profile_view")
 
-    with capture_output():
-        started = time.perf_counter()
-        shell.run_cell_magic("xla_spawn", line, cell)
-        returned = time.perf_counter()
-        profile_view.wait_drawn()
-        _last_complete[:] = [time.perf_counter() - started]
-        return returned - started
+    def cpu(self) -> float:
+        """The kernel process's CPU seconds so far, all its threads, ended ones included (/proc, in clock ticks:
+        the rows give the mean over rounds, not the median, as a tick is 10 ms)."""
+        fields = open(f"/proc/{self.kernel.manager.provisioner.process.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        self.kernel.close()
 
 
-@contextlib.contextmanager
-def as_in_a_notebook() -> Iterator[None]:
-    """The profile shown as in a Jupyter kernel: through display(), whose formatter asks for HTML and text."""
-    from xla_magic import profile_view
-
-    asked = profile_view.in_notebook
-    profile_view.in_notebook = lambda shell: True
-    try:
-        yield
-    finally:
-        profile_view.in_notebook = asked
+def cell_time(book: Notebook, line: str, cell: str) -> float:
+    """The cell's time, until the kernel was idle; a pool's profile is filled in after that
+    (profile_view.after_cell): its time until complete goes to _last_complete, and no cell starts before it is
+    (as the next %%xla_spawn waits for it), so the ranks' digests fall on no other kind's cell."""
+    returned = book.kernel.run(f"%%xla_spawn {line}\n{cell}")
+    _last_complete[:] = [returned + book.kernel.run("profile_view.wait_drawn()")]
+    return returned
 
 
 @contextlib.contextmanager
-def without_lines(period: str = "0") -> Iterator[None]:
-    os.environ[NO_LINES] = period
+def as_in_a_terminal(book: Notebook) -> Iterator[None]:
+    """The profile shown as in a terminal IPython: its text printed, not the picture (the kernel is told so)."""
+    book.kernel.run("asked, profile_view.in_notebook = profile_view.in_notebook, lambda shell: False")
     try:
         yield
     finally:
-        os.environ.pop(NO_LINES, None)
+        book.kernel.run("profile_view.in_notebook = asked")
 
 
-def run(shell: Any, kind: str) -> float:
+@contextlib.contextmanager
+def without_lines(book: Notebook, period: str = "0") -> Iterator[None]:
+    book.kernel.run(f"%env {NO_LINES}={period}")
+    try:
+        yield
+    finally:
+        book.kernel.run(f"%env {NO_LINES}=")
+
+
+def run(book: Notebook, kind: str) -> float:
     """One cell of ``kind``: its wall time; its kernel CPU time goes to CPU."""
-    cpu = time.process_time()
+    settings = contextlib.ExitStack()
     if kind in ("no lines", "python, no lines"):
-        with without_lines():
-            wall = cell_time(shell, "--profile", PROFILED if kind == "no lines" else PYTHON)
+        settings.enter_context(without_lines(book))
     elif kind == "lines 5 ms":  # the sampler's former period, against its 10 ms now
-        with without_lines(str(OLD_PERIOD_MS)):
-            wall = cell_time(shell, "--profile", PROFILED)
-    elif kind == "python":
-        wall = cell_time(shell, "--profile", PYTHON)
-    elif kind in ("notebook", "long"):
-        with as_in_a_notebook():
-            wall = cell_time(shell, "--profile", PROFILED if kind == "notebook" else LONG)
-    else:
-        wall = cell_time(shell, *{"terminal": ("--profile", PROFILED), "self": ("", SELF_TRACED),
-                                  "plain": ("", PROFILED), "big": ("--profile", BIG),
-                                  "big self": ("", BIG_SELF_TRACED), "big plain": ("", BIG),
-                                  "long self": ("", LONG_SELF_TRACED)}[kind])
-    CPU.setdefault(kind, []).append(time.process_time() - cpu)
+        settings.enter_context(without_lines(book, str(OLD_PERIOD_MS)))
+    if kind not in ("notebook", "long"):
+        settings.enter_context(as_in_a_terminal(book))
+    line, cell = {"notebook": ("--profile", PROFILED), "long": ("--profile", LONG), "terminal": ("--profile", PROFILED),
+                  "self": ("", SELF_TRACED), "plain": ("", PROFILED), "big": ("--profile", BIG),
+                  "big self": ("", BIG_SELF_TRACED), "big plain": ("", BIG), "long self": ("", LONG_SELF_TRACED),
+                  "no lines": ("--profile", PROFILED), "lines 5 ms": ("--profile", PROFILED),
+                  "python": ("--profile", PYTHON), "python, no lines": ("--profile", PYTHON)}[kind]
+    with settings:
+        cpu = book.cpu()
+        wall = cell_time(book, line, cell)
+        CPU.setdefault(kind, []).append(book.cpu() - cpu)
     COMPLETE.setdefault(kind, []).append(_last_complete[0])
     return wall
 
@@ -196,29 +201,25 @@ KINDS = ("notebook", "terminal", "self", "plain", "no lines", "lines 5 ms", "pyt
          "big self", "big plain", "long", "long self")
 
 
-def measure(shell: Any) -> dict[str, list[float]]:
+def measure(book: Notebook) -> dict[str, list[float]]:
     """Each kind's cell times, round by round."""
-    from IPython.utils.capture import capture_output
-
-    shell.user_ns["folder"] = tempfile.mkdtemp(prefix="xla_magic-bench-profile-")
-    with capture_output():
-        shell.run_line_magic("xla_pool", f"start --devices {RANKS} --backend cpu")
+    book.kernel.run(f"folder = {tempfile.mkdtemp(prefix='xla_magic-bench-profile-')!r}\n"
+                    f"%xla_pool start --devices {RANKS} --backend cpu")
     try:
-        cell_time(shell, "", SETUP)
+        cell_time(book, "", SETUP)
         for _ in range(WARM_UP):  # every graph compiled, the profiler loaded
             for kind in KINDS:
-                run(shell, kind)
+                run(book, kind)
         CPU.clear()
         COMPLETE.clear()
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for i in range(ROUNDS):
             for kind in (KINDS if i % 2 == 0 else KINDS[::-1]):
-                times[kind].append(run(shell, kind))
-                cell_time(shell, "", SEPARATOR)
+                times[kind].append(run(book, kind))
+                cell_time(book, "", SEPARATOR)
         return times
     finally:
-        with capture_output():
-            shell.run_line_magic("xla_pool", "stop")
+        book.kernel.run("%xla_pool stop")
 
 
 def ratio(times: dict[str, list[float]], kind: str, base: str, bases: dict[str, list[float]] | None = None) -> float:
@@ -228,18 +229,17 @@ def ratio(times: dict[str, list[float]], kind: str, base: str, bases: dict[str, 
 
 
 def main() -> list[Row]:
-    shell, loaded_here = start_shell()
+    book = Notebook()
     try:
-        times = measure(shell)
+        times = measure(book)
     finally:
-        if loaded_here:
-            shell.run_line_magic("unload_ext", "xla_magic")
+        book.close()
     ms = {kind: statistics.median(values) * 1000 for kind, values in times.items()}
-    cpu = {kind: statistics.median(values) * 1000 for kind, values in CPU.items()}
+    cpu = {kind: statistics.mean(values) * 1000 for kind, values in CPU.items()}
     complete = {kind: statistics.median(values) * 1000 for kind, values in COMPLETE.items()}
     against = "baseline: the same cell calling xp.start_trace/stop_trace itself, in the same rounds; "
     return [
-        (f"a 10-step training cell with --profile, shown as in a notebook, {RANKS}-rank pool (median of {ROUNDS})",
+        (f"a 10-step training cell with --profile, shown in a notebook, through a real kernel, {RANKS}-rank pool (median of {ROUNDS})",
          ms["notebook"], ms["self"], "ms",
          against + f"median of the rounds' ratios {ratio(times, 'notebook', 'self'):.3f}; target: at most 1.1"),
         (f"the same with --profile, shown as in a terminal (median of {ROUNDS})",
@@ -278,7 +278,7 @@ def main() -> list[Row]:
          ms["terminal"], ms["lines 5 ms"], "ms",
          f"baseline: the same with the lines sampled every {OLD_PERIOD_MS} ms ({NO_LINES}={OLD_PERIOD_MS}), in "
          f"the same rounds; median of the rounds' ratios {ratio(times, 'terminal', 'lines 5 ms'):.3f}"),
-        (f"the kernel's own CPU time for a --profile cell shown as in a notebook (median of {ROUNDS})",
+        (f"the kernel's own CPU time for a --profile cell in a notebook (mean of {ROUNDS})",
          cpu["notebook"], cpu["self"], "ms",
          f"baseline: its CPU time for the cell with the profiler alone; as in a terminal: {cpu['terminal']:.1f} ms; "
          "what the machine's load does not stretch"),

@@ -140,6 +140,7 @@ DEFAULTS = {
     "XLA_MAGIC_PREWARM": ("xla_magic/__init__.py", None),
     "XLA_MAGIC_PROFILE_LINES": ("xla_magic/launcher/profiling.py", "PERIOD_MS"),
     "XLA_MAGIC_SHM_THRESHOLD": ("xla_magic/wire/transport.py", "DEFAULT_THRESHOLD"),
+    "XLA_MAGIC_RESULT_REUSE": ("xla_magic/wire/result_memory.py", "HOLD"),
 }
 
 

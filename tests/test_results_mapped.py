@@ -66,6 +66,41 @@ def backing(address):
 def address(value):
     return value.data_ptr() if hasattr(value, 'data_ptr') else value.__array_interface__['data'][0]
 
+def segment_inode(value):  # the inode of the segment a value's memory is in
+    start = address(value)
+    for line in open('/proc/self/maps'):
+        fields = line.split()
+        low, high = (int(part, 16) for part in fields[0].split('-'))
+        if low <= start < high:
+            return int(fields[4])
+
+def held_segments():  # this kernel's descriptors of result segments (free ones kept for reuse included)
+    links = []
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            links.append(os.readlink(f'/proc/self/fd/{fd}'))
+        except OSError:
+            pass
+    return sorted(link for link in links if re.search(r'/xla_magic-[0-9a-f-]+-r[0-9]+n[0-9]+ ', link))
+
+def free_inodes():  # the inodes of the segments this kernel holds and no value maps: free for reuse
+    mapped = {int(line.split()[4]) for line in open('/proc/self/maps') if '/xla_magic-' in line}
+    held = set()
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            if re.search(r'/xla_magic-[0-9a-f-]+-r[0-9]+n[0-9]+ ', os.readlink(f'/proc/self/fd/{fd}')):
+                held.add(os.stat(f'/proc/self/fd/{fd}').st_ino)
+        except OSError:
+            pass
+    return sorted(held - mapped)
+
+def held_segments_once_released(within=300):  # waits for the kernel's thread to close free segments
+    import time
+    deadline = time.monotonic() + within
+    while held_segments() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return held_segments()
+
 def rss_shmem():
     for line in open('/proc/self/status'):
         if line.startswith('RssShmem:'):
@@ -228,3 +263,70 @@ def test_a_numpy_result_does_not_import_torch_into_the_kernel():
         assert book.value("'torch' in sys.modules") is False
     finally:
         book.kernel.close()
+
+
+def test_a_dropped_result_s_memory_takes_the_next_result_and_the_values_are_the_new_ones(notebook):
+    """Reuse (wire/result_memory.py): the next result of each rank is written over the pages of its dropped one."""
+    notebook.cell("%%xla_spawn -o out\nimport torch\ntorch.full((1 << 20,), float(rank))")
+    before = notebook.value("[segment_inode(t) for t in out]")
+    notebook.cell("del out")
+    notebook.forget_output_history()
+    assert notebook.value("mapped_results()") == [] and set(before) <= set(notebook.value("free_inodes()"))
+    free = notebook.value("free_inodes()")
+    # Rank 0's next result is smaller than its dropped one, rank 1's larger: both still land in free ones.
+    notebook.cell("%%xla_spawn -o out\ntorch.full(((1 << 19) if rank == 0 else (1 << 21),), 7.0 + rank)")
+    after = notebook.value("[segment_inode(t) for t in out]")
+    assert set(after) <= set(free) and len(set(after)) == 2
+    assert notebook.value("[(t.numel(), float(t.min()), float(t.max())) for t in out]") == [
+        (1 << 19, 7.0, 7.0), (1 << 21, 8.0, 8.0)]
+    notebook.cell("del out")
+    notebook.forget_output_history()
+
+
+def test_a_result_the_notebook_keeps_is_never_written_over(notebook):
+    notebook.cell("%%xla_spawn -o kept\nimport torch\ntorch.full((1 << 20,), 1.0 + rank)")
+    notebook.cell("%%xla_spawn -o dropped\ntorch.full((1 << 20,), 2.0)")
+    kept, dropped = notebook.value("[segment_inode(t) for t in kept]"), notebook.value("[segment_inode(t) for t in dropped]")
+    notebook.cell("del dropped")
+    notebook.forget_output_history()
+    assert set(dropped) <= set(notebook.value("free_inodes()"))
+    for fill in (3.0, 4.0):  # each takes free pages, if any are left, but never those of the kept result
+        free = notebook.value("free_inodes()")
+        notebook.cell(f"%%xla_spawn -o later_{int(fill)}\ntorch.full((1 << 20,), {fill})")
+        inodes = notebook.value(f"[segment_inode(t) for t in later_{int(fill)}]")
+        assert not set(inodes) & set(kept)
+        if fill == 3.0:
+            assert set(inodes) <= set(free)
+        assert notebook.value("[float(t.sum()) for t in kept]") == [float(1 << 20), 2.0 * (1 << 20)]
+        assert notebook.value(f"[float(t.sum()) for t in later_{int(fill)}]") == [fill * (1 << 20)] * 2
+    notebook.cell("del kept, later_3, later_4")
+    notebook.forget_output_history()
+
+
+def test_pulled_values_reuse_the_memory_of_dropped_ones(notebook):
+    notebook.cell("%%xla_spawn\nimport torch\nw = torch.ones(1 << 20) * rank\nNone")
+    notebook.cell("%xla_pool pull w\nbefore = [segment_inode(t) for t in w]\ndel w")
+    notebook.cell("%%xla_spawn\nw.add_(10)\nNone")
+    free = notebook.value("free_inodes()")
+    assert set(notebook.value("before")) <= set(free)
+    notebook.cell("%xla_pool pull w")
+    assert set(notebook.value("[segment_inode(t) for t in w]")) <= set(free)
+    assert notebook.value("[float(t.sum()) for t in w]") == [10.0 * (1 << 20), 11.0 * (1 << 20)]
+    notebook.cell("del w, before")
+
+
+def test_free_memory_is_released_after_the_hold_and_not_kept_at_all_with_reuse_off(notebook):
+    try:
+        notebook.cell("%env XLA_MAGIC_RESULT_REUSE=0.5")
+        notebook.cell("%%xla_spawn -o out\nimport torch\ntorch.ones(1 << 20)")
+        notebook.cell("del out")
+        notebook.forget_output_history()
+        # The kernel's own thread closes them half a second after the drop: wait for that, however loaded.
+        assert notebook.value("held_segments_once_released()") == []
+        notebook.cell("%env XLA_MAGIC_RESULT_REUSE=0")
+        notebook.cell("%%xla_spawn -o out\ntorch.ones(1 << 20)")
+        notebook.cell("del out")
+        notebook.forget_output_history()
+        assert notebook.value("held_segments()") == []
+    finally:
+        notebook.cell("%env XLA_MAGIC_RESULT_REUSE=")

@@ -35,9 +35,8 @@ import termios
 import time
 from typing import Any
 
-
 from xla_magic import compile_cache, frame_writer, probe
-from xla_magic.wire import protocol, transport
+from xla_magic.wire import protocol, result_memory, transport
 from xla_magic.hosts import naming
 from xla_magic.launcher_client import READY_TIMEOUT, Launcher, PrivateDir
 from xla_magic.pools.policy import RESTART_HINT, Policy
@@ -244,6 +243,31 @@ class Ranks:
             elif unsent.sent is not None:
                 self.mark_broken(f"the request to rank {rank} was cut off part-way ({type(unsent.cause).__name__})")
             raise unsent.cause from None
+
+    def lend(self, rank: int, segments: list[result_memory.Segment]) -> None:
+        """Send ``rank`` the descriptors of free result segments it may write its next results over."""
+        frame = protocol.encode(protocol.LEND, numbers=[segment.number for segment in segments],
+                                results_to=self.results.prefix)
+        sock = self.events[rank].sock
+        try:
+            sent = socket.send_fds(sock, [frame], [segment.fd for segment in segments])
+        except BlockingIOError:
+            return  # a full socket: no lending this time; the request's own send waits for room
+        if sent < len(frame):
+            self.send(rank, frame[sent:])
+
+    def tell(self, ranks: list[int], frame: bytes) -> None:
+        """A few bytes to ``ranks`` that answer nothing (DIGEST): gone or full sockets are skipped."""
+        for rank in ranks:
+            sock = self.events[rank].sock
+            if sock.fileno() < 0:
+                continue
+            try:
+                sent = sock.send(frame)
+            except OSError:
+                continue
+            if 0 < sent < len(frame):
+                self.send(rank, frame[sent:])
 
     def ask_where(self, ranks: list[int], probe: int, everything: bool = False, with_locals: bool = False) -> list[int]:
         """Ask ``ranks``' samplers where they are (their answers come on the same sockets); those asked.

@@ -35,6 +35,7 @@ import glob
 import json
 import linecache
 import os
+import queue
 import socket
 import sys
 import threading
@@ -309,6 +310,40 @@ def _digest(where: dict[str, Any]) -> dict[str, Any] | None:
         return trace.digest(where)
     except Exception:
         return None
+
+
+_digests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+_digester: list[threading.Thread] = []
+_held: list[dict[str, Any]] = []  # traces whose reading waits for the kernel's DIGEST
+
+
+def digest_later(where: dict[str, Any]) -> None:
+    """:func:`write_digest` once the kernel says every rank answered (:func:`digest_now`): a pool's rank replies
+    first, and its reading of the trace, the heaviest work of a profile, would otherwise take the cores from the
+    ranks still running the cell (a 10-step cell's 4 ranks on 2 cores: 1.23 times the profiler alone, against
+    1.12 with no reading at all)."""
+    _held.append(where)
+
+
+def digest_now() -> None:
+    """DIGEST: the held traces are read in this process's digesting thread, at the lowest priority."""
+    held, _held[:] = list(_held), []
+    if not held:
+        return
+    if not _digester:
+        _digester.append(threading.Thread(target=_digest_forever, name="xla_magic-digest", daemon=True))
+        _digester[0].start()
+    for where in held:
+        _digests.put(where)
+
+
+def _digest_forever() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: a thread's own nice value
+    except OSError:
+        pass
+    while True:
+        write_digest(_digests.get())
 
 
 def write_digest(where: dict[str, Any]) -> None:

@@ -57,6 +57,34 @@ def dump_result(value: Any, segments: transport.SegmentWriter | None = None) -> 
     return buffer.getvalue()
 
 
+class ResultSegments:
+    """Where a rank writes its large results: new segments under the kernel's results prefix, or lent ones."""
+
+    def __init__(self, rank: int) -> None:
+        self.tag = f"r{rank}"  # the kernel lends a segment back to the rank whose tag it has
+        self._writer: transport.SegmentWriter | None = None
+
+    def writer(self, prefix: str | None) -> transport.SegmentWriter | None:
+        """The writer for the kernel's results prefix (the same for the ranks' life)."""
+        if prefix is None:
+            return None
+        if self._writer is None or self._writer.prefix != prefix:
+            self.release()
+            self._writer = transport.SegmentWriter(prefix, self.tag)
+        return self._writer
+
+    def lend(self, fields: dict[str, Any], channel: protocol.Channel) -> None:
+        """LEND: segments of dropped results that the next request's results may be written over."""
+        writer = self.writer(fields["results_to"])
+        writer.release()
+        writer.lent = dict(zip(fields["numbers"], channel.take_fds(len(fields["numbers"]))))
+
+    def release(self) -> None:
+        """Close what was lent and not written over: done before every reply."""
+        if self._writer is not None:
+            self._writer.release()
+
+
 # Results of these exact types are pickled with plain pickle (no cloudpickle
 # Pickler to build): the common case of a cell that returns a number.
 _PLAIN_RESULTS = frozenset({int, float, bool, str, bytes, complex, type(None)})

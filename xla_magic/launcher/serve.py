@@ -214,7 +214,7 @@ class RankServer:
         self.phase = "idle"  # what its stack sampler reports the rank is at: idle, cell, closing (stacks.py)
         self.seq: Any = START_SEQ  # the request being answered, or the last one
         self._answered: Any = None  # the last request whose DONE went out
-        self._results: transport.SegmentWriter | None = None
+        self.results = rank_module.ResultSegments(rank)
         self._xla_frame = b""  # the cell's account of what XLA did (XLA), sent with its reply
         self._profile_frame = b""  # the cell's profile (PROFILE), sent after its account (the kernel names compiles by it)
         self._accountant: xla_account.Accountant | None = None  # this process's, once a cell asked for an account
@@ -239,8 +239,12 @@ class RankServer:
                 request = self.inbox.first()
                 if request.kind in (protocol.CLOSED, protocol.BROKEN, protocol.STOP):
                     return
+                if request.kind == protocol.LEND:  # for the next request's results
+                    self.results.lend(request.fields, self.channel)
+                elif request.kind == protocol.DIGEST:  # every rank answered: read the profile's trace now
+                    profiling.digest_now()
                 # SHOWN or INPUT_REPLY here answers a display or a question that an interrupt stopped waiting for
-                if request.kind not in (protocol.SHOWN, protocol.INPUT_REPLY) and \
+                elif request.kind not in (protocol.SHOWN, protocol.INPUT_REPLY) and \
                         request.fields.get("seq") != self._answered:
                     self.answer(request)
                 self.inbox.take(request)
@@ -316,6 +320,7 @@ class RankServer:
         """
         if self.serving.one_shot:
             self.children.end_new()
+        self.results.release()  # before the reply: the kernel takes back what was lent once it has it
         self.flush_output()
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
                                processes=self.children.kept())
@@ -329,7 +334,7 @@ class RankServer:
             self._answered = seq
             self.channel.sock.sendall(frames)
         after, self._after_reply = self._after_reply, []
-        for job in after:  # (profiling.write_digest: never raises)
+        for job in after:  # (profiling.digest_later: never raises)
             job()
         xla_account.settle()  # the next cell's start read, off its path
 
@@ -415,7 +420,7 @@ class RankServer:
             if where is not None:
                 self._profile_frame += protocol.encode(protocol.PROFILE, seq=fields["seq"], profile=where)
                 if where.get("digest_file"):
-                    self._after_reply.append(lambda: profiling.write_digest(where))
+                    self._after_reply.append(lambda: profiling.digest_later(where))
 
     @contextlib.contextmanager
     def _accounted(self, fields: dict[str, Any]) -> Iterator[None]:
@@ -466,16 +471,8 @@ class RankServer:
 
     def _result_frame(self, fields: dict[str, Any], value: Any) -> bytes:
         """RESULT (large tensors and arrays in shared memory), or the ERROR saying why not."""
-        kind, reply = rank_module.result_event(value, self._results_writer(fields.get("results_to")))
+        kind, reply = rank_module.result_event(value, self.results.writer(fields.get("results_to")))
         return protocol.encode(kind, seq=fields["seq"], **reply)
-
-    def _results_writer(self, prefix: str | None) -> transport.SegmentWriter | None:
-        """The writer for the kernel's results prefix (the same for the ranks' life)."""
-        if prefix is None:
-            return None
-        if self._results is None or self._results.prefix != prefix:
-            self._results = transport.SegmentWriter(prefix, f"r{self.rank}")
-        return self._results
 
     def outside_error_frame(self, seq: Any, exc: BaseException, when: str) -> bytes:
         """An ERROR for what raised in this rank outside the user's code, with the cell it was serving."""
@@ -526,7 +523,7 @@ def serve(
     """
     streams = capture.RankStreams(rank, sockets.out, sockets.err)
     capture.attach(streams)
-    channel = protocol.Channel(sockets.events)
+    channel = protocol.Channel(sockets.events, takes_fds=True)
     served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
     if os.environ.get(stacks.OFF_SWITCH) != "0":  # off only to measure what it costs (benchmarks/bench_stacks.py)
         stacks.Sampler(rank, sockets.stacks, threading.get_ident(),

@@ -38,6 +38,7 @@ from xla_magic.pools.policy import RESTART_HINT
 from xla_magic.ranks import Conn, Ranks, describe_exit
 from xla_magic.record import RankState, RunRecord
 from xla_magic.run.watch import Watch
+from xla_magic.wire import protocol, result_memory
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
 TICK_INTERVAL = 0.5  # how often listeners hear of a running request with no news
@@ -85,6 +86,7 @@ class Request:
             label=ranks.label, quiet=ranks.quiet_line,
         )
         self.results: dict[int, Any] = {}
+        self.lent: list[result_memory.Segment] = []  # result segments lent to the ranks for this request
         self.failures: dict[int, RankFailure] = {}
         self.debuggable: list[int] = []  # failed ranks that keep the cell's frames for %debug, in the order they failed
         self.done: set[int] = set()  # answered DONE
@@ -139,6 +141,8 @@ class Request:
             for rank in self.targets:
                 self.ranks.writing = None
                 try:
+                    if self.has_result:
+                        self._lend(rank)
                     self.ranks.send(rank, self.frame)
                 except OSError as exc:
                     self.ranks.mark_broken(f"{self.ranks.name(rank)} could not be reached ({exc})")
@@ -153,6 +157,13 @@ class Request:
                     self.done.add(rank)
                     self.rank_state(rank, "killed")
             self.delivered = len(asked) == len(self.targets)
+
+    def _lend(self, rank: int) -> None:
+        """Free segments of results the notebook dropped, for ``rank``'s large results to reuse (result_memory)."""
+        segments = result_memory.MEMORY.lend(rank)
+        if segments:
+            self.lent += segments  # taken back when the request is over, whatever happens next
+            self.ranks.lend(rank, segments)
 
     # -- following -------------------------------------------------------
 
@@ -193,6 +204,9 @@ class Request:
     def _after(self) -> None:
         """However the request ended: the output it left, its untaken results, the set's state."""
         self.drain_output()
+        result_memory.MEMORY.take_back(self.lent)  # what the ranks did not write over: they closed it
+        if self.record.profile and self.ranks.policy.stops_cells_only:
+            self.ranks.tell(self.targets, protocol.encode(protocol.DIGEST))  # a pool's ranks read their traces now
         if self.record.outcome == "running":  # the stop itself was broken off
             self.finish("interrupted" if self.stop_reason == "interrupt" else "failed")
         self.ranks.request_over(self.has_result)

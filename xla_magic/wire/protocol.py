@@ -11,6 +11,7 @@ listens on a port, and only frames from such channels are unpickled.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import pickle
@@ -26,6 +27,7 @@ _HEADER = struct.Struct("!I")
 # A frame larger than this is treated as corruption, not as a request to
 # allocate gigabytes: large data travels through shared memory instead.
 MAX_FRAME = (1 << 31) - 1
+_LENT_FDS = 64  # descriptors one read of a rank's events channel takes at most (a LEND carries at most 8)
 
 # kernel -> launcher
 JOB = "job"
@@ -50,6 +52,12 @@ PULL = "pull"
 SHOWN = "shown"  # a rank's DISPLAY is shown: its cell may go on (not a request)
 INPUT_REPLY = "input_reply"  # the answer to a rank's INPUT: ``text``, or ``eof`` (why there is none) (not a request)
 DEBUG = "debug"  # pdb's post-mortem in the frames of the rank's last failed cell, which it keeps until its next request
+# segments the next request's large results may be written over (wire/result_memory.py): their ``numbers``,
+# their descriptors sent with the frame's first byte (SCM_RIGHTS) (not a request)
+LEND = "lend"
+# the request is over on every rank: a rank that holds a --profile cell's trace reads it now (launcher/profiling.py),
+# not while other ranks still run their cells (not a request)
+DIGEST = "digest"
 # rank -> kernel (output travels as raw bytes on the stdout/stderr sockets)
 RESULT = "result"
 ERROR = "error"
@@ -185,11 +193,15 @@ class FrameReader:
 class Channel:
     """A blocking, thread-safe sender and receiver on one socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, takes_fds: bool = False) -> None:
         self.sock = sock
         self.lock = threading.Lock()
         self._reader = FrameReader()
         self._inbox: list[Event] = []
+        # Descriptors that came with LEND frames, in order (a rank's events channel only): each recvmsg
+        # that carries some stops at the end of the bytes sent with them, so they are here by the time
+        # their frame is whole.
+        self.fds: collections.deque[int] | None = collections.deque() if takes_fds else None
 
     def send(self, kind: str, **fields: Any) -> None:
         frame = encode(kind, **fields)
@@ -231,11 +243,21 @@ class Channel:
     def recv(self) -> Event:
         """Next event; a ``closed`` event once the peer has gone."""
         while not self._inbox:
-            data = self.sock.recv(1 << 20)
+            if self.fds is None:
+                data = self.sock.recv(1 << 20)
+            else:
+                # close-on-exec: a process the cell starts must not hold a lent segment's pages
+                data, fds, _flags, _address = socket.recv_fds(self.sock, 1 << 20, _LENT_FDS,
+                                                              socket.MSG_CMSG_CLOEXEC)
+                self.fds.extend(fds)
             if not data:
                 return Event(CLOSED, {})
             self._inbox.extend(self._reader.feed(data))
         return self._inbox.pop(0)
+
+    def take_fds(self, count: int) -> list[int]:
+        """The next ``count`` descriptors that came with LEND frames (fewer if fewer came)."""
+        return [self.fds.popleft() for _ in range(min(count, len(self.fds or ())))]
 
     def close(self) -> None:
         self.sock.close()

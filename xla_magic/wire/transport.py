@@ -40,6 +40,8 @@ from typing import Any, BinaryIO, NamedTuple
 
 import cloudpickle
 
+from xla_magic.wire import result_memory
+
 NAME_PREFIX = "xla_magic-"
 # The namespace dict carries its run's prefix under this key, so a rank knows
 # where to write its results; the rank removes it before running the cell.
@@ -47,6 +49,7 @@ NAMESPACE_KEY = "__xla_magic_segments__"
 _NAME = re.compile(r"^xla_magic-(\d+)-(\d+)-([0-9a-f]{8})-([a-z0-9]+)$")
 _PREFIX = re.compile(r"^xla_magic-\d+-\d+-[0-9a-f]{8}$")
 _WRITE_CHUNK = 1 << 28  # a single write(2) moves at most ~2 GiB on Linux
+LENT = "@"  # a result written over a segment the kernel lent: "@" and the segment's number
 _OPEN_NEW = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 # Values smaller than this stay in the pickle (docs/environment.md gives the default, checked against this).
@@ -130,9 +133,13 @@ class SegmentWriter:
         self.prefix = prefix
         self.tag = tag
         self._numbers = itertools.count()
+        self.lent: dict[int, int] = {}  # a rank's: segments the kernel lent for this request, number -> descriptor
 
     def write(self, data: memoryview) -> str | None:
-        """Copy ``data`` into a new segment: its name, or None when there is no room."""
+        """Copy ``data`` into a lent segment or a new one: its name, or None when there is no room."""
+        reused = self._write_lent(data)
+        if reused is not None:
+            return reused
         name = f"{self.prefix}-{self.tag}n{next(self._numbers)}"
         try:
             fd = os.open(os.path.join(SHM_DIR, name), _OPEN_NEW, 0o600)
@@ -151,6 +158,30 @@ class SegmentWriter:
             if not written:
                 _unlink(name)
         return name
+
+
+    def _write_lent(self, data: memoryview) -> str | None:
+        """Over the pages of a segment the kernel lent (result_memory.py): the closest in size, cut or grown to fit."""
+        if not self.lent:
+            return None
+        sizes = {number: os.fstat(fd).st_size for number, fd in self.lent.items()}
+        number = min(sizes, key=lambda n: (sizes[n] < len(data), abs(sizes[n] - len(data))))
+        fd = self.lent.pop(number)
+        try:
+            if sizes[number] > len(data):
+                os.ftruncate(fd, len(data))  # the pages past the end go back
+            _write_all(fd, data)  # a full tmpfs fails here with ENOSPC, as a new segment would
+        except OSError:
+            return None  # the kernel takes the segment back when the request ends
+        finally:
+            os.close(fd)
+        return f"{LENT}{number}"
+
+    def release(self) -> None:
+        """Close every lent descriptor not written: a rank does so before it answers."""
+        lent, self.lent = self.lent, {}
+        for fd in lent.values():
+            os.close(fd)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -188,16 +219,20 @@ def map_private(name: str) -> mmap.mmap:
 
 
 def adopt(name: str) -> mmap.mmap:
-    """The kernel's take on a result segment: mapped, then unlinked, so only we hold it."""
+    """The kernel's take on a result segment: mapped, then unlinked, so only we hold it.
+
+    The descriptor stays with result_memory, which lends the segment for
+    another result once this mapping is gone; ``@N`` names a lent one.
+    """
+    if name.startswith(LENT):
+        return result_memory.MEMORY.map(*result_memory.MEMORY.claim(int(name[len(LENT):])))
     match = _NAME.match(name)
     if not match or match.group(1) != _pid_namespace() or int(match.group(2)) != os.getpid():
         raise ValueError(f"result segment {name!r} does not belong to this kernel")
-    fd, size = _open_segment(name, writable_file=True)
-    try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-        _unlink(name)
+    fd, _size = _open_segment(name, writable_file=True)
+    _unlink(name)
+    writer = re.fullmatch(r"r(\d+)n\d+", match.group(4))
+    return result_memory.MEMORY.map(fd, int(writer.group(1)) if writer else None)
 
 
 _memcmp = ctypes.CDLL(None).memcmp
