@@ -366,6 +366,23 @@ def test_output_before_death_reaches_the_cell(ip):
         assert re.search(rf"\[rank {r}\]\S* raw stderr", captured.stderr)
 
 
+def test_a_rank_killed_by_sigkill_leaves_no_file_in_the_temporary_directory(ip):
+    """The compilation analysis (launcher/xla_analysis.py) is a file with no name, which goes with the process."""
+    import glob
+
+    cell = ("import os, signal, tempfile, torch\n(torch.ones(2, device=device) * 2).sum().item()  # compiles\n"
+            "print('pid', os.getpid(), 'tmp', tempfile.gettempdir(), 'analysis', os.environ['PT_XLA_DEBUG_FILE'],"
+            " os.readlink(os.environ['PT_XLA_DEBUG_FILE']))\nos.kill(os.getpid(), signal.SIGKILL)")
+    with capture_output() as captured, pytest.raises(RankError, match="SIGKILL"):
+        ip.run_cell_magic("xla_spawn", "--devices 2 --backend cpu", cell)
+    said = re.findall(r"pid (\d+) tmp (\S+) analysis (\S+) (\S+ \(deleted\))", captured.stdout)
+    assert len(said) == 2, captured.stdout
+    for pid, tmp, analysis, target in said:
+        assert analysis == f"/proc/{pid}/fd/{analysis.rsplit('/', 1)[1]}" and f"xla_magic-analysis-{pid}-" in target
+        wait_for(lambda: not psutil.pid_exists(int(pid)))
+        assert glob.glob(os.path.join(tmp, f"xla_magic-analysis-{pid}-*")) == []
+
+
 def test_segfault_shows_the_native_traceback(ip):
     from IPython.utils.capture import capture_output
 

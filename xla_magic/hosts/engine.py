@@ -112,11 +112,9 @@ def _end_host(profile: str) -> None:
     import psutil
 
     os.write(_log_fd(), (GONE + "\n").encode())
-    killed = []
     for child in psutil.Process().children(recursive=True):  # the nanny, the launcher, its ranks, theirs
         try:
             child.kill()
-            killed.append(child.pid)
         except psutil.NoSuchProcess:
             pass
     timer = threading.Timer(CLEANUP_PATIENCE, os._exit, (0,))
@@ -127,9 +125,6 @@ def _end_host(profile: str) -> None:
 
         on_host.stop()  # its processes are dead already: it removes the session's directory and shared memory
     finally:
-        from xla_magic.wire.files import remove_analysis_of
-
-        remove_analysis_of(killed)
         shutil.rmtree(profile, ignore_errors=True)
         os._exit(0)
 

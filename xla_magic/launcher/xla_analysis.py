@@ -17,7 +17,6 @@ import tempfile
 import threading
 from typing import Any
 
-from xla_magic.wire import files
 
 # Set by a user, these give torch_xla's own debug output: then we set nothing.
 DEBUG_VARIABLES = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
@@ -34,7 +33,8 @@ _SIZE = re.compile(r"Post Compilation Analysis: (?P<name>[A-Za-z ]+ size): (?P<g
 
 _claim_lock = threading.Lock()
 _claimed_pid: int | None = None
-_analysis_file: str | None = None
+_analysis_file: str | None = None  # the path torch_xla and we open it by: through /proc, the file has no name
+_analysis_fd: int | None = None  # what keeps the nameless file alive, for as long as this process lives
 _user_debug: bool | None = None  # decided once, before we set anything; inherited by forks
 
 
@@ -45,7 +45,7 @@ def claim_analysis() -> str | None:
     user set torch_xla's debug variables themselves (their output stays
     theirs, as without xla_magic).
     """
-    global _claimed_pid, _analysis_file, _user_debug
+    global _claimed_pid, _analysis_file, _analysis_fd, _user_debug
     with _claim_lock:
         if _claimed_pid == os.getpid():
             return _analysis_file
@@ -55,23 +55,31 @@ def claim_analysis() -> str | None:
         _analysis_file = None
         if _user_debug:
             return None
-        descriptor, path = tempfile.mkstemp(prefix=files.analysis_prefix(os.getpid()), suffix=".txt")
-        os.close(descriptor)
+        descriptor, path = tempfile.mkstemp(prefix=f"xla_magic-analysis-{os.getpid()}-", suffix=".txt")
+        by_descriptor = f"/proc/{os.getpid()}/fd/{descriptor}"
+        if os.path.exists(by_descriptor):  # Linux: nameless, so a rank killed by SIGKILL leaves nothing in /tmp
+            os.unlink(path)
+            path, _analysis_fd = by_descriptor, descriptor
+        else:
+            os.close(descriptor)
         os.environ.update(PT_XLA_DEBUG_LEVEL="1", PT_XLA_DEBUG_FILE=path, PT_XLA_DEBUG_MAX_FRAME=str(ANALYSIS_FRAMES))
         _analysis_file = path
         return path
 
 
 def release_analysis() -> None:
-    """Remove this process's analysis file (at the rank's end)."""
-    global _analysis_file
+    """Let go of this process's analysis file (at the rank's end)."""
+    global _analysis_file, _analysis_fd
     with _claim_lock:
         if _analysis_file is not None and _claimed_pid == os.getpid():
             try:
-                os.unlink(_analysis_file)
+                if _analysis_fd is not None:
+                    os.close(_analysis_fd)
+                else:
+                    os.unlink(_analysis_file)
             except OSError:
                 pass
-            _analysis_file = None
+            _analysis_file = _analysis_fd = None
 
 
 ANALYSIS_KEPT = 1 << 20  # bytes of analysis kept while no account reads it (--xla-report off)
