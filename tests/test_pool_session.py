@@ -194,7 +194,8 @@ def test_a_signal_handler_raising_just_after_the_reply_went_out_is_told_with_the
 
 
 # The window before a cell: between a request's bytes leaving the socket and the rank keeping them.
-RAISING_JUST_AS_A_REQUEST_IS_READ = RAISING_AFTER.replace("METHOD", "recv").replace("WHEN", "True")
+# A rank's events channel reads with recvmsg (socket.recv_fds: a LEND's descriptors come with its bytes).
+RAISING_JUST_AS_A_REQUEST_IS_READ = RAISING_AFTER.replace("METHOD", "recvmsg").replace("WHEN", "True")
 
 
 def test_a_signal_handler_raising_just_as_a_request_is_read_loses_no_request(ip, spawn):

@@ -424,7 +424,7 @@ def after_cell(record: RunRecord, reader: Reader | None = None) -> None:
                                     name="xla_magic profile", daemon=True)
         _drawing.start()
     except Exception as exc:  # a trace we cannot read, a display that fails
-        print(f"(xla_magic could not show the profile: {type(exc).__name__}: {exc})", flush=True)
+        print(f"(xla_magic could not show the profile: {_fault(exc)})", flush=True)
     finally:
         if reader is not None:
             reader.close()
@@ -435,12 +435,21 @@ def _filled(fill: Callable[[], None], reader: Reader | None) -> Callable[[], Non
         try:
             fill()
         except Exception as exc:
-            print(f"(xla_magic could not show the profile: {type(exc).__name__}: {exc})", flush=True)
+            print(f"(xla_magic could not show the profile: {_fault(exc)})", flush=True)
         finally:
             if reader is not None:
                 reader.close()
 
     return run
+
+
+def _fault(exc: BaseException) -> str:
+    """The error and the line of ours it came from, for a report: "TypeError: ... (wire/trace.py:296)"."""
+    import traceback
+
+    ours = [frame for frame in traceback.extract_tb(exc.__traceback__) if "xla_magic" in frame.filename]
+    where = f" ({'/'.join(ours[-1].filename.split(os.sep)[-2:])}:{ours[-1].lineno})" if ours else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def trace_files(folder: str) -> list[str]:

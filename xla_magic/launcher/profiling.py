@@ -343,7 +343,10 @@ def _digest_forever() -> None:
     except OSError:
         pass
     while True:
-        write_digest(_digests.get())
+        try:
+            write_digest(_digests.get())  # which writes a file whatever happens: the kernel never waits in vain
+        except Exception:  # the kernel reads that trace itself, and says so if it cannot
+            pass
 
 
 def write_digest(where: dict[str, Any]) -> None:
