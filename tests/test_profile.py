@@ -344,3 +344,42 @@ def test_in_a_notebook_the_picture_is_filled_in_by_display_id_once_the_digests_c
         kernel.run("%xla_pool stop")
     finally:
         kernel.close()
+
+
+NESTED_ALARM = '''
+import linecache, signal, threading, time
+from xla_magic.launcher import profiling
+
+real_getline, raised = linecache.getline, []
+
+
+def getline(*args):  # a second alarm comes while the first one's sample reads its line's text
+    if not raised:
+        raised.append(True)
+        signal.raise_signal(signal.SIGALRM)
+    return real_getline(*args)
+
+
+linecache.getline = getline
+source = "total = 0\\nfor i in range(300000):\\n    total += i\\nfor i in range(300000):\\n    total -= i\\n"
+linecache.cache["<xla_spawn cell 1>"] = (len(source), None, source.splitlines(True), "<xla_spawn cell 1>")
+sampler = profiling.LineSampler()
+sampler.start(time.time_ns() // 1000, period=1)
+sampler.add(0, threading.get_ident())
+exec(compile(source, "<xla_spawn cell 1>", "exec"), {})
+sampler.remove(threading.get_ident())
+spans = sampler.stop()["ranks"]["0"]
+print(bool(raised), bool(spans), [span for span in spans if span[3] is None])
+'''
+
+
+def test_an_alarm_during_a_sample_leaves_no_line_open():
+    """Python runs a signal's handler inside a handler too: on a loaded machine the next alarm can come while a
+    sample is taken. Here it comes, for real, while the first sample reads its line's text; every span the
+    sampler writes must still have its end (an open one failed the profile's drawing with a TypeError)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NESTED_ALARM], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "True True []", done.stdout  # the alarm came; lines; none left open

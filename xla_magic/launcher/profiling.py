@@ -174,6 +174,7 @@ class LineSampler:
         self.running = threading.Event()
         self.thread: threading.Thread | None = None
         self.timed = False  # sampling by the timer signal, in the main thread
+        self._in_alarm = False  # its handler is running: Python runs a signal's handler inside a handler too
         self._handler: Any = None  # SIGALRM's handler before ours
 
     def start(self, origin: int, period: float = PERIOD_MS) -> None:
@@ -221,14 +222,20 @@ class LineSampler:
     def _on_alarm(self, _signum: int, frame: types.FrameType | None) -> None:
         # Runs in the main thread, maybe inside add/remove/stop (which hold the lock): so it takes none. In
         # this mode only the main thread ever touches the spans.
-        if not self.timed:
+        # An alarm that comes while a sample is taken (a loaded machine left the process off its core for a
+        # period) would note a span between the outer one's closing the last span and appending its own,
+        # leaving one open in the middle for good: it is skipped.
+        if not self.timed or self._in_alarm:
             return
+        self._in_alarm = True
         try:
             rank = self.threads.get(self.main)
             if rank is not None:
                 self._note(rank, frame, time.time_ns() // 1000)
         except Exception:  # never lose the cell to a frame we could not read
             pass
+        finally:
+            self._in_alarm = False
 
     def add(self, rank: int, ident: int) -> None:
         with self.lock:
