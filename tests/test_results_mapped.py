@@ -330,3 +330,17 @@ def test_free_memory_is_released_after_the_hold_and_not_kept_at_all_with_reuse_o
         assert notebook.value("held_segments()") == []
     finally:
         notebook.cell("%env XLA_MAGIC_RESULT_REUSE=")
+
+
+def test_a_bad_reuse_value_is_said_once_and_frees_at_once(notebook):
+    try:
+        notebook.cell("%env XLA_MAGIC_RESULT_REUSE=soon")
+        said = notebook.cell("%%xla_spawn -o out\nimport torch\ntorch.ones(1 << 20)")
+        assert "XLA_MAGIC_RESULT_REUSE='soon' is not a number of seconds" in said and "set it to 0" in said, said
+        assert "is not a number" not in notebook.cell("%%xla_spawn -o out\ntorch.ones(1 << 20)")  # said once
+        inode = notebook.value("segment_inode(out[0])")
+        notebook.cell("del out")
+        notebook.forget_output_history()
+        assert inode not in notebook.value("free_inodes()")  # not kept: its memory went at once
+    finally:
+        notebook.cell("%env XLA_MAGIC_RESULT_REUSE=")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import sys
 import threading
 import time
 import weakref
@@ -38,12 +39,23 @@ KEPT_MAX = 256  # descriptors kept at once: results beyond these are not reused 
 LEND_MAX = 8  # segments lent to one rank for one request
 
 
+_told_bad: list[str] = []  # a bad XLA_MAGIC_RESULT_REUSE, once said
+
+
 def hold_seconds() -> float:
-    """How long a free segment is kept; 0 (or a bad value) keeps none."""
-    text = os.environ.get("XLA_MAGIC_RESULT_REUSE", "")
+    """How long a free segment is kept; 0 keeps none, and so does a bad value, said once."""
+    text = os.environ.get("XLA_MAGIC_RESULT_REUSE", "").strip()
     try:
-        return max(0.0, float(text)) if text else HOLD
+        seconds = float(text) if text else HOLD
+        if seconds != seconds or seconds < 0:  # NaN or negative
+            raise ValueError(text)
+        return seconds
     except ValueError:
+        if text not in _told_bad:
+            _told_bad.append(text)
+            print(f"xla_magic: XLA_MAGIC_RESULT_REUSE={text!r} is not a number of seconds, so the memory of "
+                  f"results the notebook drops is freed at once; set it to 0 (off) or to seconds such as 10",
+                  file=sys.stderr)
         return 0.0
 
 
