@@ -73,7 +73,8 @@ class ResultMemory:
     """Every kept segment of this kernel: in use (mapped by a result), free, or lent to a rank."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a finalizer (_freed) may run in any thread at any allocation, this class's own included.
+        self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._kept = 0  # segments with a descriptor here, whatever their state
         self._free: list[Segment] = []
