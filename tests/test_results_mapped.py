@@ -94,7 +94,8 @@ def free_inodes():  # the inodes of the segments this kernel holds and no value 
             pass
     return sorted(held - mapped)
 
-def held_segments_once_released(within=300):  # waits for the kernel's thread to close free segments
+def held_segments_once_released(within=120):  # waits for the kernel's thread to close free segments
+    # within: less than a cell's timeout, so a failure shows what is still held rather than a timeout
     import time
     deadline = time.monotonic() + within
     while held_segments() and time.monotonic() < deadline:
@@ -185,6 +186,8 @@ def checks(got, expected):
     assert notebook.value("'torch_xla' in sys.modules or '_XLAC' in sys.modules") is False
     assert notebook.segments_in_shm() == []  # adopted: unlinked as soon as mapped
     notebook.cell("del got")
+    notebook.forget_output_history()
+    assert notebook.value("mapped_results()") == []  # the tests after this one, in any order, start clean
 
 
 def test_a_kept_result_survives_later_cells_and_mutating_it_stays_in_the_kernel(notebook):

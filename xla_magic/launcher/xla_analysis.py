@@ -17,7 +17,6 @@ import tempfile
 import threading
 from typing import Any
 
-
 # Set by a user, these give torch_xla's own debug output: then we set nothing.
 DEBUG_VARIABLES = ("PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 # Frames the analysis keeps per compilation (torch_xla's default is 8): a sync deep in a library still reaches the cell.

@@ -159,9 +159,5 @@ class ResultMemory:
                 else:
                     self._changed.wait()
 
-    def free_count(self) -> int:
-        with self._lock:
-            return len(self._free)
-
 
 MEMORY = ResultMemory()
