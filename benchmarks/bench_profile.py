@@ -13,7 +13,9 @@ machine's load falls on all alike), as:
 - ``%%xla_spawn --profile`` shown as in a terminal (the kernel is told it is
   in one, and prints the text summary);
 - a plain cell that calls ``xp.start_trace``/``xp.stop_trace`` around the
-  same steps itself: the profiler alone, the baseline;
+  same steps itself and shows the same value: the profiler alone, the
+  baseline (it showed nothing until 2026-12-05, which left out of it the
+  2 ms or so a shown result costs the kernel);
 - the plain cell with no profiler, which says what the profiler itself costs;
 - the same three (``--profile`` as in a terminal, the profiler alone, no
   profiler) for a cell of the same steps with 30 times the arithmetic: about
@@ -24,8 +26,8 @@ machine's load falls on all alike), as:
   times the steps: ten times the trace, which the kernel rebuilds and draws.
 
 Each cell is followed by an untimed cell that does nothing (SEPARATOR), so
-every kind follows the same cell. A pool's --profile cell returns at its ranks' replies; each rank then reads
-its trace and the kernel fills in the picture (or prints the text) once
+every kind follows the same cell. A pool's --profile cell returns at its ranks' replies; once the kernel is
+done with the cell each rank reads its trace, and the kernel fills in the picture (or prints the text) once
 every reading came. A cell is timed until it returned, and also until its
 profile was complete (rows "until its picture was filled in"); the next
 cell starts only then, as the next ``%%xla_spawn`` would, so no rank's
@@ -104,14 +106,15 @@ def python_work():
     return total
 """
 PROFILED = "steps()"
-SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps()\nxp.stop_trace()"
+# The profiler alone: the same steps, and the same value shown at the end as the --profile cell shows.
+SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nloss = steps()\nxp.stop_trace()\nloss"
 # The same steps' structure (about as many trace events a step) with 30 times the arithmetic: a step whose device
 # work, not its count of events, sets its time, as a TPU training step's does.
 BIG = "big_steps()"
 # Ten times the steps: ten times the trace (about 38,000 events over 4 ranks), which the kernel rebuilds and draws.
 LONG = "steps(100)"
-LONG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nsteps(100)\nxp.stop_trace()"
-BIG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nbig_steps()\nxp.stop_trace()"
+LONG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nloss = steps(100)\nxp.stop_trace()\nloss"
+BIG_SELF_TRACED = "xp.start_trace(f'{folder}/rank{rank}')\nloss = big_steps()\nxp.stop_trace()\nloss"
 PYTHON = "python_work()"
 # Run untimed after every cell, so that each kind follows the same cell: a cell's time depends on the one before
 # it (a --profile cell took 81 ms after a cell that traced itself, 65 ms after another --profile cell, whose end
