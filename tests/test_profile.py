@@ -383,3 +383,82 @@ def test_an_alarm_during_a_sample_leaves_no_line_open():
     done = subprocess.run([sys.executable, "-c", NESTED_ALARM], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == "True True []", done.stdout  # the alarm came; lines; none left open
+
+
+# --- the ranks read their traces once the kernel is done with the cell ----------------------------------------
+
+def stamped_cell(path: str) -> str:
+    """A --profile cell whose ranks, when they begin reading their traces, write the time (CLOCK_MONOTONIC, one
+    clock for every process of the machine) into ``path.<rank>``."""
+    return ("import time, torch, torch_xla\nfrom xla_magic.launcher import profiling\n"
+            "real = getattr(profiling, 'real_digest', profiling._digest)\nprofiling.real_digest = real\n"
+            f"def stamped(where, real=real, path={path!r}, rank=rank):\n"
+            "    with open(f'{path}.{rank}', 'w') as file:\n        file.write(repr(time.monotonic()))\n"
+            "    profiling._digest = real  # the next cells digest as ever\n"
+            "    return real(where)\n"
+            "profiling._digest = stamped\n"
+            "y = (torch.ones(4, device=device) * 2).sum(); torch_xla.sync(); y.item()")
+
+
+def test_the_ranks_read_their_traces_only_once_the_kernel_is_done_with_the_cell(tmp_path):
+    """Their reading would take the cores from the kernel's own end of the cell (its result shown, its reply
+    sent): the kernel tells them after it sent its idle status (profile_drawer.after_this_cell)."""
+    from helpers import KERNEL_TIMEOUT, Kernel
+
+    kernel = Kernel()
+    try:
+        # after_this_cell runs its function after the cell's idle status went: what it prints comes after it.
+        kernel.run("from xla_magic.profile_drawer import after_this_cell")
+        client, seen = kernel.client, []
+        reply = client.execute_interactive("after_this_cell(lambda: print('after the cell', flush=True))",
+                                           timeout=KERNEL_TIMEOUT, output_hook=seen.append)
+        cell = reply["parent_header"]["msg_id"]
+        assert not any(m["msg_type"] == "stream" for m in seen)  # nothing printed while the cell ran
+        idle = next(m for m in seen if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                    and m["parent_header"].get("msg_id") == cell)
+        printed = client.get_iopub_msg(timeout=KERNEL_TIMEOUT)
+        assert printed["msg_type"] == "stream" and printed["content"]["text"] == "after the cell\n", printed
+        assert printed["header"]["date"] >= idle["header"]["date"]
+
+        # A pool's ranks begin reading their traces after the kernel's post_run_cell of the cell.
+        kernel.run("%load_ext xla_magic")
+        reply, text = kernel.run("%xla_pool start --devices 2 --backend cpu")
+        assert reply["status"] == "ok", text
+        kernel.run("import time\nposts = []\n"
+                   "get_ipython().events.register('post_run_cell', lambda result: posts.append(time.monotonic()))")
+        stamps = str(tmp_path / "reading")
+        reply, text = kernel.run("%%xla_spawn --profile\n" + stamped_cell(stamps))
+        assert reply["status"] == "ok", text
+        reply, text = kernel.run("from xla_magic import profile_view\nprofile_view.wait_drawn()\nprint(repr(posts[-1]))")
+        assert reply["status"] == "ok", text
+        cell_over = float(text.strip().splitlines()[-1])
+        for rank in range(2):
+            with open(f"{stamps}.{rank}") as file:
+                assert float(file.read()) > cell_over, rank
+        # The files' paths came with the digests.
+        reply, text = kernel.run("import os\nrecord = get_ipython()._xla_magic_session.last_profiled\n"
+                                 "print(sorted(all(os.path.isfile(r.profile[key]) for key in ('trace', 'xplane', "
+                                 "'lines')) for r in record.ranks.values()))")
+        assert text.strip().endswith("[True, True]"), text
+        kernel.run("%xla_pool stop")
+    finally:
+        kernel.close()
+
+
+def test_a_rank_gone_before_it_read_its_trace_still_has_its_lane_drawn(ip, pool, tmp_path):
+    """Its trace, which the kernel now finds and reads itself; its sampled lines, which it never wrote, are none."""
+    import signal
+
+    gate = str(tmp_path / "gate")
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--profile", gated_cell(gate))
+        record = ip._xla_magic_session.last_profiled
+        gone = record.ranks[1].profile
+        os.kill(gone["pid"], signal.SIGKILL)
+        open(gate, "w").close()
+        profile_view.wait_drawn()
+    lanes = {one.ranks[0]: one for one in profile_lanes.lanes(record)}
+    assert "Profile of run" in shown.stdout and not lanes[0].problem and not lanes[1].problem, shown.stdout
+    assert os.path.isfile(gone["trace"]) and gone["lines"] == "" and not lanes[1].lines
+    assert any(event.kind == "compile" for event in lanes[1].events)
+    assert lanes[0].lines and os.path.isfile(record.ranks[0].profile["lines"])

@@ -8,19 +8,18 @@ top device ops and the slowest rank against the others.
 
 from __future__ import annotations
 
-import contextvars
 import html
 import os
 import re
 import statistics
 import sys
-import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from xla_magic.display import in_notebook
 from xla_magic.hosts.naming import tag
+from xla_magic.profile_drawer import DRAWER, after_this_cell
 from xla_magic.profile_lanes import Reader, digests_to_come, lanes
 from xla_magic.record import RunRecord
 from xla_magic.wire.trace import KINDS, STEPS, THINNEST_STEPS, Event, Lane, Run
@@ -377,26 +376,22 @@ def show(record: RunRecord, text: bool = False, reader: Reader | None = None) ->
         display(Profile(record, reader))
 
 
-_drawing: threading.Thread | None = None  # the thread filling in the last profile shown before its digests came
-
-
 def wait_drawn() -> None:
     """Until the profile shown last is complete (the next %%xla_spawn cell and %xla_profile wait for it)."""
-    drawing = _drawing
-    if drawing is not None:
-        drawing.join()
+    DRAWER.wait()
 
 
-def after_cell(record: RunRecord, reader: Reader | None = None) -> None:
+def after_cell(record: RunRecord, reader: Reader | None = None, start: Callable[[], None] | None = None) -> None:
     """Under a --profile cell, however it ended: the profile. A fault here never costs the cell its result.
 
-    Where the ranks digest their traces after their reply (a pool's), the
+    Where the ranks digest their traces after their reply (a pool's: once
+    ``start`` told them to, when the kernel is done with the cell), the
     cell does not wait for them: a notebook shows a placeholder, updated by
     its display id with the profile once every digest came; a terminal
-    prints the text then. Both are done by a thread, in the cell's context,
-    so the update goes to the cell that ran.
+    prints the text then. Both are done by the drawing thread once the cell
+    is over (profile_drawer.py), in the cell's context, so the update goes
+    to the cell that ran.
     """
-    global _drawing
     from IPython import get_ipython
 
     try:
@@ -420,14 +415,15 @@ def after_cell(record: RunRecord, reader: Reader | None = None) -> None:
                 print(repr(profile), file=out, flush=True)
 
         done, reader = _filled(fill, reader), None
-        _drawing = threading.Thread(target=contextvars.copy_context().run, args=(done,),
-                                    name="xla_magic profile", daemon=True)
-        _drawing.start()
+        DRAWER.submit(done, start)
+        start = None
     except Exception as exc:  # a trace we cannot read, a display that fails
         print(f"(xla_magic could not show the profile: {_fault(exc)})", flush=True)
     finally:
         if reader is not None:
             reader.close()
+        if start is not None:  # nothing to draw: any rank that holds a trace lets go of it all the same
+            after_this_cell(start)
 
 
 def _filled(fill: Callable[[], None], reader: Reader | None) -> Callable[[], None]:

@@ -130,17 +130,20 @@ class Runner:
             record.xla_report = report
             record.profile = profiled.get("profile", "")
             self.history.cell_began(record, cell.profile)  # %xla_report shows what XLA did in it, %xla_profile its profile
+            # --profile: the kernel draws the profile, unless this is one host's part of a world across hosts
+            # (the kernel draws every host's: hosts/profiles.py); then a pool's ranks read their traces once the
+            # kernel is done with the cell (profile_drawer.py).
+            draws = cell.profile and ranks.world is None
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
-                              live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask)
+                              live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask, tells_digest=not draws)
             if launching:
                 self.launch(ranks, record, first=frame)
             else:
                 self.history.remember(record)
             request.start()
-            # --profile: each rank process's trace is read as soon as the rank says where it is (profile_view.Reader).
-            # One host's part of a world across hosts draws nothing: the kernel draws every host's (hosts/profiles.py).
-            reader = profile_view.Reader() if cell.profile and ranks.world is None else None
+            # --profile: a trace that comes undigested is read as soon as its rank says where it is (profile_view.Reader).
+            reader = profile_view.Reader() if draws else None
             if reader is not None:
                 self.history.listeners.append(reader.notice)
             try:
@@ -159,7 +162,7 @@ class Runner:
                     self.tell_unloadable(ranks.placement.on_cpu, record)
                 if reader is not None:
                     self.history.listeners.remove(reader.notice)
-                    profile_view.after_cell(record, reader)
+                    profile_view.after_cell(record, reader, start=request.tell_digest)
                 delivered = request.delivered
                 if delivered:
                     ranks.shipping.sent(changed, shipping)

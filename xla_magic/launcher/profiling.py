@@ -5,13 +5,15 @@ host); each rank process records the cell with
 ``torch_xla.debug.profiler.start_trace``/``stop_trace`` into its own folder
 there (``rank<N>``, N its first rank), where torch_xla writes
 ``plugins/profile/<time>/<host>.xplane.pb`` and ``<host>.trace.json.gz``.
-The rank sends where the files are (protocol.PROFILE) with its reply, then
+The rank sends where its trace is (protocol.PROFILE) with its reply. Once
+the kernel says so (DIGEST, when it is done with the cell), a pool's rank
+writes its sampled lines beside the trace, finds the profiler's files,
 reads its Chrome-trace JSON into a digest of the timeline's lane
 (wire/trace.py's digest: each rank process reads its own, all at once) and
-writes it beside the trace (``DIGEST``, :func:`write_digest`): a pool's
-reply does not wait for it, and the kernel fills in the timeline when the
-digests are there (profile_view.py). A one-shot rank, whose process ends
-with its reply, sends its digest with the reply.
+writes that, with the files' paths, beside the trace (``DIGEST``,
+:func:`write_digest`): the kernel fills in the timeline when the digests
+are there (profile_view.py). A one-shot rank, whose process ends with its
+reply, does all of it before and sends its digest with the reply.
 
 torch_xla's profiler is one per process: rank threads of one process (the
 tpu launch path) share one trace, started by the first to begin and stopped
@@ -31,7 +33,6 @@ one annotation it puts in the trace when it starts (``ORIGIN``).
 
 from __future__ import annotations
 
-import glob
 import json
 import linecache
 import os
@@ -44,10 +45,8 @@ import types
 from typing import Any
 
 from xla_magic.launcher.stacks import CELL_FILE
+from xla_magic.wire import trace
 
-TRACE = "trace.json.gz"
-XPLANE = "xplane.pb"
-LINES = "python-lines.json"
 DIGEST = "xla_magic-digest.json"  # the rank's digest of its trace, written once its reply went (write_digest)
 # How often the cell's line is sampled: at 5 ms the timer cost a 10-step training cell 1.12-1.17x (benchmarks/
 # bench_profile.py); a line's time is known to about this.
@@ -113,7 +112,8 @@ class Profiler:
             if self.active:
                 return None
             ranks, self.ranks = sorted(self.ranks), []
-            lines = self._write_lines()
+            sampler, self.lines = self.lines, None
+            sampled = sampler.stop() if sampler is not None else None
             if not self.error:
                 try:
                     import torch_xla.debug.profiler as xp
@@ -122,27 +122,28 @@ class Profiler:
                 except Exception as exc:
                     self.error = f"{type(exc).__name__}: {exc}"
             where = {"ranks": ranks, "host": socket.gethostname(), "pid": os.getpid(), "folder": self.folder,
-                     "trace": _newest(self.folder, TRACE), "xplane": _newest(self.folder, XPLANE),
-                     "lines": lines, "error": self.error}
-            if not self.error:
-                if digest_now:
-                    where["digest"] = _digest(where)
-                else:
-                    where["digest_file"] = os.path.join(self.folder, DIGEST)
+                     "error": self.error}
+            if self.error:
+                where.update(trace="", xplane="", lines="")
+            elif digest_now:
+                where.update(_files(self.folder, sampled))
+                where["digest"] = _digest(where)
+            else:  # the files too are found and written after the reply (write_digest), off the cell's time
+                where["digest_file"] = os.path.join(self.folder, DIGEST)
+                _sampled[where["digest_file"]] = sampled
             return where
 
-    def _write_lines(self) -> str:
-        """The sampled lines, beside the trace; their path ("" if none)."""
-        sampler, self.lines = self.lines, None
-        if sampler is None:
-            return ""
+
+def _files(folder: str, sampled: dict[str, Any] | None) -> dict[str, str]:
+    """The sampled lines written beside the trace, then the profile's files in ``folder``: their paths ("" for one
+    not there)."""
+    if sampled is not None:
         try:
-            path = os.path.join(self.folder, LINES)
-            with open(path, "w", encoding="utf-8") as file:
-                json.dump(sampler.stop(), file)
-            return path
-        except Exception:
-            return ""
+            with open(os.path.join(folder, trace.LINES_FILE), "w", encoding="utf-8") as file:
+                json.dump(sampled, file)
+        except Exception:  # no lines: the trace still stands
+            pass
+    return trace.profiler_files(folder)
 
 
 class LineSampler:
@@ -312,23 +313,22 @@ def _digest(where: dict[str, Any]) -> dict[str, Any] | None:
     """This process's trace, read here, at once, as every rank process reads its own (wire/trace.py's digest);
     None if it could not be: the kernel then reads the files itself."""
     try:
-        from xla_magic.wire import trace
-
         return trace.digest(where)
     except Exception:
         return None
 
 
+_sampled: dict[str, dict[str, Any] | None] = {}  # by digest file: the sampled lines, written with the digest
 _digests: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
 _digester: list[threading.Thread] = []
 _held: list[dict[str, Any]] = []  # traces whose reading waits for the kernel's DIGEST
 
 
 def digest_later(where: dict[str, Any]) -> None:
-    """:func:`write_digest` once the kernel says every rank answered (:func:`digest_now`): a pool's rank replies
-    first, and its reading of the trace, the heaviest work of a profile, would otherwise take the cores from the
-    ranks still running the cell (a 10-step cell's 4 ranks on 2 cores: 1.23 times the profiler alone, against
-    1.12 with no reading at all)."""
+    """:func:`write_digest` once the kernel says so (:func:`digest_now`): when it is done with the cell. A
+    pool's rank replies first, and its reading of the trace, the heaviest work of a profile, would otherwise
+    take the cores from the ranks still running the cell (a 10-step cell's 4 ranks on 2 cores: 1.23 times the
+    profiler alone, against 1.12 with no reading at all), and then from the kernel ending the cell."""
     _held.append(where)
 
 
@@ -345,10 +345,13 @@ def digest_now() -> None:
 
 
 def _digest_forever() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: a thread's own nice value
-    except OSError:
-        pass
+    try:  # Linux, this thread only: it runs when no other thread of the machine wants the core
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # a thread's own nice value
+        except OSError:
+            pass
     while True:
         try:
             write_digest(_digests.get())  # which writes a file whatever happens: the kernel never waits in vain
@@ -357,19 +360,23 @@ def _digest_forever() -> None:
 
 
 def write_digest(where: dict[str, Any]) -> None:
-    """The digest of the trace ``where`` names, into its ``digest_file`` (whole or not at all: written aside,
-    then renamed); what went wrong instead, if it could not be read, so the kernel reads the files itself."""
+    """The sampled lines beside the trace, then the digest of the trace into ``where``'s ``digest_file``, with
+    the files' paths (whole or not at all: written aside, then renamed); what went wrong instead, if the trace
+    could not be read, so the kernel reads the files itself."""
     path = where.get("digest_file")
     if not path:
         return
-    found = None
+    found: dict[str, Any] | None = None
+    files: dict[str, str] = {}
     try:
-        found = _digest(where)
+        os.makedirs(where["folder"], exist_ok=True)  # (the profiler may have written nothing)
+        files = _files(where["folder"], _sampled.pop(path, None))
+        found = _digest({**where, **files})
     finally:  # an interrupt meant for the next cell still leaves a file: the kernel does not wait in vain
         try:
             aside = f"{path}.{os.getpid()}.part"
             with open(aside, "w", encoding="utf-8") as file:
-                json.dump(found if found is not None else {"failed": True}, file)
+                json.dump({**(found if found is not None else {"failed": True}), "files": files}, file)
             os.replace(aside, path)
         except Exception:  # the kernel's wait (wire/trace.py's wait_digest) gives up when the rank is gone
             pass
@@ -391,12 +398,6 @@ def _cell_frame(frame: types.FrameType | None) -> types.FrameType | None:
             return frame
         frame = frame.f_back
     return None
-
-
-def _newest(folder: str, suffix: str) -> str:
-    """The newest file the profiler wrote there that ends so ("" if none)."""
-    found = glob.glob(os.path.join(folder, "plugins", "profile", "*", f"*.{suffix}"))
-    return max(found, key=os.path.getmtime) if found else ""
 
 
 _profiler: Profiler | None = None

@@ -35,6 +35,7 @@ Kinds, by torch_xla's own event names:
 
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 import os
@@ -61,6 +62,12 @@ OURS = "xla_magic: "  # the annotations the rank put in the trace itself (the sa
 DIGEST_VERSION = 2  # of what digest() sends
 DIGEST_WAIT = 60.0  # how long a digest is waited for while its rank lives (reading 100 steps takes ~0.1 s)
 DIGEST_POLL = 0.002  # how often its file is looked for
+# A rank's profile files: what torch_xla writes under plugins/profile/<time>/ in the rank's folder, and the
+# sampled lines beside them (launcher/profiling.py); FILE_KEYS name their paths in a rank's PROFILE fact.
+TRACE_FILE = "trace.json.gz"
+XPLANE_FILE = "xplane.pb"
+LINES_FILE = "python-lines.json"
+FILE_KEYS = ("trace", "xplane", "lines")
 # Kinds whose events a lane keeps one by one (the text lists compiles; they are few): the others only as runs.
 KEPT = ("compile", "execute", "device→host", "host→device", "annotation")
 # The digest's resolution: events of one kind closer than a step of a lane's span cut into STEPS are one run,
@@ -156,10 +163,21 @@ def lane(where: dict[str, Any], labels: dict[str, str] | None = None) -> Lane:
 
 def wait_digest(where: dict[str, Any], timeout: float = DIGEST_WAIT) -> dict[str, Any] | None:
     """The digest its rank writes once its reply went (``digest_file``: launcher/profiling.py's write_digest),
-    waited for while the rank's process lives, up to ``timeout``; None if there is none to wait for."""
+    waited for while the rank's process lives, up to ``timeout``; None if there is none to wait for. The
+    paths of the trace's files, which come with it, go into ``where``."""
     path = where.get("digest_file")
     if not path:
         return None
+    sent = _wait_for(path, where, timeout)
+    files = sent.get("files") if isinstance(sent, dict) else None
+    if not isinstance(files, dict):  # the rank went before it wrote them: look here, where it wrote the trace
+        files = profiler_files(where.get("folder") or "") if where.get("host") == socket.gethostname() else {}
+    for key in FILE_KEYS:
+        where.setdefault(key, files.get(key) or "")
+    return sent
+
+
+def _wait_for(path: str, where: dict[str, Any], timeout: float) -> dict[str, Any] | None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline or not _alive(where):
@@ -172,6 +190,20 @@ def wait_digest(where: dict[str, Any], timeout: float = DIGEST_WAIT) -> dict[str
             return json.load(file)
     except (OSError, ValueError):
         return None
+
+
+def profiler_files(folder: str) -> dict[str, str]:
+    """The files a rank's profile left in ``folder``: the newest trace and xplane the profiler wrote there, and the
+    sampled lines (``""`` for one not there)."""
+    found = {key: _newest(folder, suffix) for key, suffix in (("trace", TRACE_FILE), ("xplane", XPLANE_FILE))}
+    lines = os.path.join(folder, LINES_FILE)
+    found["lines"] = lines if folder and os.path.isfile(lines) else ""
+    return found
+
+
+def _newest(folder: str, suffix: str) -> str:
+    found = glob.glob(os.path.join(glob.escape(folder), "plugins", "profile", "*", f"*.{suffix}")) if folder else []
+    return max(found, key=os.path.getmtime) if found else ""
 
 
 def _alive(where: dict[str, Any]) -> bool:
