@@ -209,15 +209,16 @@ class Request:
         """However the request ended: the output it left, its untaken results, the set's state."""
         self.drain_output()
         result_memory.MEMORY.take_back(self.lent)  # what the ranks did not write over: they closed it
-        if self.record.profile and self.ranks.policy.stops_cells_only and self.tells_digest:
-            self.tell_digest()  # a pool's ranks read their traces now
+        if self.record.profile and self.tells_digest:
+            self.tell_digest()
         if self.record.outcome == "running":  # the stop itself was broken off
             self.finish("interrupted" if self.stop_reason == "interrupt" else "failed")
         self.ranks.request_over(self.has_result)
 
     def tell_digest(self) -> None:
-        """The ranks read their --profile traces now (a pool's: a one-shot rank read its own before replying)."""
-        self.ranks.tell(self.targets, protocol.encode(protocol.DIGEST))
+        """A pool's ranks read their --profile traces now (a one-shot rank read its own before it replied)."""
+        if self.ranks.policy.stops_cells_only:
+            self.ranks.tell(self.targets, protocol.encode(protocol.DIGEST))
 
     def settled(self, rank: int) -> bool:
         return rank in self.done or rank in self.lost
