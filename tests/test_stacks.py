@@ -120,3 +120,17 @@ def test_the_launcher_reports_the_versions_this_stack_has(ip, spawn):
     assert info["torch_xla"] == metadata.version("torch_xla")
     assert info["torch"].split("+")[0] == metadata.version("torch")
     assert info["python"] == sys.executable or os.path.samefile(info["python"], sys.executable)
+
+
+def test_the_compile_cache_default_on_a_tpu_follows_this_stack_s_torch_xla():
+    # Kaggle's torch_xla 2.8 and Colab's 2.9 (and the current 2.9) cannot load their persistent cache on a TPU
+    # (pytorch/xla#9094): there the default is off, read from the installed metadata, nothing imported.
+    from xla_magic import compile_cache
+
+    installed = version("torch_xla")[:2]
+    if installed not in ((2, 8), (2, 9)):
+        pytest.skip(f"torch_xla {metadata.version('torch_xla')} is not one of the stacks' releases")
+    assert compile_cache.installed_version() == metadata.version("torch_xla")
+    default = compile_cache.resolve(None, environ={})
+    assert default.job(on_cpu=False) is None and default.job(on_cpu=True) is None
+    assert "pytorch/xla#9094" in default.describe(on_cpu=False)

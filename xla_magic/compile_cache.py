@@ -1,14 +1,24 @@
 """Where the ranks keep torch_xla's persistent compilation cache, as the kernel decides it. Runs in the kernel.
 
 ``--compile-cache DIR|on|off`` (on ``%%xla_spawn`` and ``%xla_pool
-start``), else ``XLA_MAGIC_COMPILE_CACHE``, else the default: on, under
-``~/.cache/xla_magic/compile-cache`` (``$XDG_CACHE_HOME`` where set), on a
-TPU, and off on XLA:CPU (the simulation, the tpu path on CPU threads),
-which cannot load what it writes ("Deserializing serialized executable not
-supported"). Given explicitly (a directory, or ``on``), it is on anywhere:
-that exercises the TPU's path in the simulation. The home directory
-survives kernel restarts everywhere; Colab's runtime reset and a new Kaggle
-session lose it (docs/pools.md says where to point it there instead).
+start``), else ``XLA_MAGIC_COMPILE_CACHE``, else the default, which follows
+what torch_xla can load: on, under ``~/.cache/xla_magic/compile-cache``
+(``$XDG_CACHE_HOME`` where set), on a TPU with a torch_xla that loads its
+cache there (2.7 and earlier); off where it cannot load what it writes
+("Deserializing serialized executable not supported"): on XLA:CPU (the
+simulation, the tpu path on CPU threads) and on a TPU with torch_xla 2.8 or
+2.9 (pytorch/xla#9094). That is decided by the installed version
+(importlib.metadata, without importing torch_xla here), not by a failed
+attempt. Given explicitly (a directory, or ``on``), it is on anywhere: that
+exercises the TPU's path in the simulation. The home directory survives
+kernel restarts everywhere; Colab's runtime reset and a new Kaggle session
+lose it (docs/pools.md says where to point it there instead). Where the
+cache cannot load, a kept pool (``%xla_pool start --keep``) is how compiled
+graphs survive a restart.
+
+A variable that names no usable place leaves the cells without the cache,
+said once a session (``setting_line``); the option's bad value is a
+UsageError, since it is typed in the cell.
 
 Each rank process opens a directory of its own under the root
 (launcher/compile_cache.py says why), reports what it found when it is
@@ -22,6 +32,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
@@ -29,12 +40,33 @@ from IPython.core.error import UsageError
 VARIABLE = "XLA_MAGIC_COMPILE_CACHE"
 OPTION = "--compile-cache"
 # torch_xla's warning for each graph it finds in the cache and cannot load, on a platform whose client cannot
-# load serialized executables at all: XLA:CPU, and a TPU with torch_xla 2.7 to 2.9 at least (its PJRT C API
+# load serialized executables at all: XLA:CPU, and a TPU with torch_xla 2.8 and 2.9 (its PJRT C API
 # client loads them by another call than torch_xla's: pytorch/xla#9094, still open on 2.9). One line per graph
 # and rank: never shown in the cell (Ranks.quiet_line); the account says so, and a TPU's kernel once.
 LOAD_UNSUPPORTED = re.compile(r"\] Failed to deserialize executable: UNIMPLEMENTED: Deserializing serialized "
                               r"executable not supported")
 UNLOADABLE = "cannot load"  # the reason told once a session (unloadable_line)
+DISTRIBUTION = "torch_xla"
+# torch_xla releases whose TPU client cannot load a serialized executable: the XLA pin of 2.8 (pytorch/xla#8908)
+# made DeserializeExecutable, which torch_xla calls, unimplemented in the TPU's PJRT C API client, and no release
+# carries the fix (pytorch/xla#9759; 2.9 is the last release). 2.7 and earlier load it. (major, minor) pairs.
+CANNOT_LOAD_ON_TPU = ((2, 8), (2, 9))
+KEPT_POOL_HINT = "a kept pool (%xla_pool start --keep) is how compiled graphs survive a kernel restart there"
+
+
+def installed_version() -> str | None:
+    """torch_xla's version as installed for this Python, read from its metadata (nothing imported); None if absent."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def loads_on_tpu(version: str | None) -> bool:
+    """Whether torch_xla ``version`` can load its persistent cache on a TPU. An unknown version (torch_xla not in
+    the kernel's Python: XLA_MAGIC_PYTHON names another) counts as able: its ranks then say once if it cannot."""
+    found = re.match(r"(\d+)\.(\d+)", version or "")
+    return found is None or (int(found.group(1)), int(found.group(2))) not in CANNOT_LOAD_ON_TPU
 
 
 def default_root() -> str:
@@ -44,24 +76,30 @@ def default_root() -> str:
 
 @dataclass(frozen=True)
 class CacheSetting:
-    """What was asked for: a root (None: off) and whether explicitly, so on even on XLA:CPU."""
+    """What was asked for: a root (None: off) and whether explicitly, so on even where torch_xla cannot load it."""
 
     root: str | None
     forced: bool = False
     source: str = "default"  # --compile-cache, XLA_MAGIC_COMPILE_CACHE or default
+    problem: str | None = None  # why the variable's value could not be used (the cells run without the cache)
 
     def job(self, on_cpu: bool) -> dict[str, Any] | None:
         """What the ranks' job carries: None when the ranks open no cache."""
-        if self.root is None or (on_cpu and not self.forced):
+        if self.root is None or (not self.forced and (on_cpu or not loads_on_tpu(installed_version()))):
             return None
         return {"root": self.root}
 
     def describe(self, on_cpu: bool) -> str:
+        if self.problem is not None:
+            return f"off ({self.problem})"
         if self.root is None:
             return f"off ({self.source} off)"
         if on_cpu and not self.forced:
             return (f"off on XLA:CPU, which cannot load compiled executables ({OPTION} DIR or "
                     f"{VARIABLE}=DIR forces it on, to exercise the TPU's path)")
+        if not self.forced and not loads_on_tpu(version := installed_version()):
+            return (f"off: torch_xla {version} cannot load its compile cache on a TPU (pytorch/xla#9094), so "
+                    f"{KEPT_POOL_HINT}. {OPTION} DIR forces it on")
         return self.root
 
 
@@ -133,13 +171,26 @@ def option(text: str) -> CacheSetting:
 
 
 def resolve(given: CacheSetting | None, environ: Mapping[str, str] = os.environ) -> CacheSetting:
-    """The option if given, else the variable (read now: a cell may have set it), else the default."""
+    """The option if given, else the variable (read now: a cell may have set it), else the default.
+
+    A variable that names no usable place is off, with its problem (``setting_line`` says it once)."""
     if given is not None:
         return given
     value = environ.get(VARIABLE)
     if value is not None:
-        return parse(value, VARIABLE)
+        try:
+            return parse(value, VARIABLE)
+        except UsageError as exc:
+            return CacheSetting(None, source=VARIABLE, problem=str(exc))
     return CacheSetting(default_root())
+
+
+def setting_line(setting: CacheSetting, told: set[str]) -> str | None:
+    """Once a session for each problem: the variable's place cannot be used, so the cells run without the cache."""
+    if setting.problem is None or setting.problem in told:
+        return None
+    told.add(setting.problem)
+    return f"compile cache: not used, the cells run without it: {setting.problem}"
 
 
 def for_hosts(given: CacheSetting | None, environ: Mapping[str, str] = os.environ) -> CacheSetting | None:
@@ -179,8 +230,8 @@ def unloadable_line(accounts: list[dict[str, Any]], on_cpu: bool, told: set[str]
         return None
     told.add(UNLOADABLE)
     return (f"compile cache: this torch_xla could load none of the graphs its cache held here, so they compiled "
-            f"as without it (torch_xla 2.7 to 2.9 cannot load it on a TPU: pytorch/xla#9094), and the cache "
-            f"only costs disk. {OPTION} off, or {VARIABLE}=off, turns it off")
+            f"as without it (torch_xla 2.8 and 2.9 cannot load it on a TPU: pytorch/xla#9094), and the cache "
+            f"only costs disk; {KEPT_POOL_HINT}. {OPTION} off, or {VARIABLE}=off, turns it off")
 
 
 # --- what the ranks reported ------------------------------------------------------

@@ -164,8 +164,9 @@ def compile_cache_argument(function: Any) -> Any:
         f"pool loads the graphs it compiled before instead of compiling them again: DIR (each rank process uses "
         f"a folder of its own in it; a relative DIR is taken from the notebook's working directory), on (the "
         f"default directory), or off. Default: "
-        f"${compile_cache.VARIABLE} if set, else on a TPU under ~/.cache/xla_magic/compile-cache, and off on "
-        f"XLA:CPU (the simulation), which cannot load it; a directory or on turns it on there too",
+        f"${compile_cache.VARIABLE} if set, else on a TPU under ~/.cache/xla_magic/compile-cache where torch_xla "
+        f"can load it (2.7 and earlier), and off where it cannot: XLA:CPU (the simulation) and a TPU with torch_xla "
+        f"2.8 or 2.9 (pytorch/xla#9094; a kept pool keeps compiled graphs there); a directory or on turns it on",
     )(function)
 
 

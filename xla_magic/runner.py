@@ -97,7 +97,7 @@ class Runner:
         """``cell`` in ranks spawned for it alone (one host's part of ``world``, if given), then ended."""
         placement = plan(cell.backend, cell.devices, "%%xla_spawn", cell.spmd)
         ranks = Ranks(placement, policy.ONE_SHOT, requested_backend=cell.backend, workdir=self.workdir, world=world,
-                      cache=compile_cache.resolve(cell.compile_cache))
+                      cache=self.cache_setting(cell.compile_cache))
         try:
             return self.cell(ranks, cell, cell.xla_report or "auto", cell.hang_after)
         finally:
@@ -240,6 +240,15 @@ class Runner:
         if kept is not None:
             kept.release(why)
             self.let_go = kept
+
+    def cache_setting(self, given: compile_cache.CacheSetting | None) -> compile_cache.CacheSetting:
+        """What new ranks get (the option, else the variable, else the default); a variable that names no usable
+        place is said once a session, and the ranks run without the cache."""
+        setting = compile_cache.resolve(given)
+        line = compile_cache.setting_line(setting, self.cache_told)
+        if line:
+            xla_report.say(line)
+        return setting
 
     def tell_cache(self, ranks: Ranks) -> None:
         """Once new ranks said how their compilation cache went: one line if some run without it, once a session."""

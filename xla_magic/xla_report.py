@@ -487,7 +487,8 @@ def _notes(record: RunRecord) -> list[str]:
     if any(group.account.get("cannot_load") for group in found):
         notes.append("loaded: this torch_xla cannot load what the compile cache holds here, so each graph it "
                      "held compiled again: XLA:CPU never can (there the cache only exercises the TPU's path), "
-                     "and torch_xla 2.7 to 2.9 cannot on a TPU either (pytorch/xla#9094)")
+                     "and torch_xla 2.8 and 2.9 cannot on a TPU either (pytorch/xla#9094), where a kept pool "
+                     "(%xla_pool start --keep) is how compiled graphs survive a kernel restart")
     if any(group.shared for group in found):
         notes.append("rank threads of one process share torch_xla's counters: their row counts them together")
     return notes

@@ -329,7 +329,7 @@ class Span:
             "load_seconds": _seconds_since((LOAD_TIME,), start.wall, tried) if tried else 0.0,
             "load_failures": load_failures,
             # Its folder is keyed by torch_xla's and the platform's builds, so a process that fails to load what
-            # it holds and never loaded any graph cannot load here at all (XLA:CPU; a TPU with torch_xla 2.7 to
+            # it holds and never loaded any graph cannot load here at all (XLA:CPU; a TPU with torch_xla 2.8 and
             # 2.9: pytorch/xla#9094), which is not a stale or damaged cache
             "cannot_load": bool(load_failures) and not end.counters.get(LOADED, 0),
             "executions": executions,

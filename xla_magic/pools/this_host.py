@@ -52,7 +52,7 @@ class LocalPool:
         backend = options.backend or "auto"
         placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
         ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world,
-                      cache=compile_cache.resolve(options.compile_cache))
+                      cache=runner.cache_setting(options.compile_cache))
         ranks.hang_after = options.hang_after
         record = runner.record(runner.history.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
