@@ -25,8 +25,18 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magics)
     ipython._xla_magic_session = session
     ipython._xla_magic_magics = magics
+    _announce_kept_pools()
     if os.environ.get("XLA_MAGIC_PREWARM", "1") != "0":
         _prewarm(session)
+
+
+def _announce_kept_pools() -> None:
+    """One line for each kept pool of this user's that no kernel is attached to, with how to attach."""
+    from xla_magic.pools import kept
+
+    line = kept.announcement()
+    if line:
+        print(line)
 
 
 def _prewarm(session: Any) -> None:

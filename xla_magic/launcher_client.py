@@ -109,11 +109,16 @@ class Launcher:
     stops the launcher too, so that no later job reads this one's answer.
     """
 
-    def __init__(self, workdir: PrivateDir, python: str | None = None) -> None:
+    def __init__(self, workdir: PrivateDir, python: str | None = None, kept: tuple[str, str, float] | None = None
+                 ) -> None:
         self.python = python or os.environ.get("XLA_MAGIC_PYTHON") or sys.executable
         self.workdir = workdir
-        self.dir = workdir.new("launcher-")
-        self.log_path = os.path.join(self.dir, "launcher.log")
+        # A kept pool's launcher (name, its directory, --keep-idle) keeps its files in the pool's directory, which
+        # outlives the kernel's; its output goes to the pool's log beside that directory.
+        self.kept = kept
+        self.dir = kept[1] if kept else workdir.new("launcher-")
+        self.log_path = (os.path.join(os.path.dirname(kept[1]), f"{kept[0]}.log") if kept
+                         else os.path.join(self.dir, "launcher.log"))
         # What the launcher inherits; each job carries the kernel's changes since.
         self.base_environment = dict(os.environ)
         self.in_step = True
@@ -134,10 +139,12 @@ class Launcher:
     def _start(self) -> tuple[subprocess.Popen, protocol.Channel]:
         ours, theirs = socket.socketpair()
         try:
-            with open(self.log_path, "wb") as log:
+            keep = ["--keep", self.kept[0], "--keep-dir", self.kept[1], "--keep-idle", repr(self.kept[2])] \
+                if self.kept else []
+            with open(self.log_path, "ab" if self.kept else "wb") as log:
                 process = subprocess.Popen(
                     [self.python, "-m", "xla_magic.launcher",
-                     "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())],
+                     "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid()), *keep],
                     pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL,
                     stdout=log,

@@ -21,6 +21,7 @@ from xla_magic.payload import transform
 from xla_magic.pools.interface import PoolOptions
 from xla_magic.session import Session
 from xla_magic.sharding import SpmdOptions
+from xla_magic.wire import kept as kept_names
 from xla_magic.run.watch import HANG_AFTER
 
 
@@ -108,6 +109,16 @@ def hang_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"--hang-after must be more than 0 seconds, not {text}; leave it out for "
                                          f"the default ({HANG_AFTER:g} s)")
+    return value
+
+
+def keep_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--keep-idle takes seconds, like --keep-idle 3600, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--keep-idle must be more than 0 seconds, not {text}")
     return value
 
 
@@ -398,10 +409,13 @@ class XlaMagics(Magics):
 
     @magic_arguments()
     @argument(
-        "action", nargs="?", default="status", choices=("start", "stop", "restart", "push", "pull", "status"),
-        help="start, stop or restart the pool, push or pull names, or (default) show its state",
+        "action", nargs="?", default="status",
+        choices=("start", "stop", "restart", "push", "pull", "status", "attach", "list"),
+        help="start, stop or restart the pool, push or pull names, attach to a kept pool, list kept pools, or "
+        "(default) show its state",
     )
-    @argument("names", nargs="*", help="push: the notebook names to send; pull: the one name to fetch")
+    @argument("names", nargs="*", help="push: the notebook names to send; pull: the one name to fetch; attach and "
+              "stop: a kept pool's name")
     @argument(
         "-n", "--devices", type=device_count, default=None,
         help="start/restart: number of ranks (default: every TPU device, or 8 in the CPU simulation)",
@@ -422,6 +436,20 @@ class XlaMagics(Magics):
         f"(default: '{DEFAULT_TEMPLATE}'; e.g. 'ip netns exec ns{{index}}', "
         "'kubectl exec -i worker-{index} --')",
     )
+    @argument(
+        "--keep", nargs="?", const=kept_names.DEFAULT_NAME, default=None, metavar="NAME",
+        help=f"start: a kept pool, named NAME (default {kept_names.DEFAULT_NAME}), whose ranks outlive this kernel "
+        f"(a restart, a crash, a closed notebook): a new kernel's %%xla_pool attach NAME finds its names and compiled "
+        f"graphs. %%xla_pool stop NAME ends it",
+    )
+    @argument(
+        "--keep-idle", type=keep_seconds, default=None, metavar="SECONDS",
+        help=f"with --keep: a kept pool with no kernel attached and no cell running ends itself after this long "
+        f"(default {kept_names.DEFAULT_IDLE:g} s, two hours), freeing its devices",
+    )
+    @argument("--steal", action="store_true",
+              help="attach: take a kept pool over from the kernel attached to it (that kernel's next pool cell is "
+              "refused)")
     @spmd_arguments
     @xla_report_argument
     @hang_after_argument
@@ -453,6 +481,12 @@ class XlaMagics(Magics):
         ``world_size`` (every host), ``local_rank`` and ``host``, output is
         tagged ``[hH rN]``, and the value lists every global rank's result.
         The documentation's Several hosts page tells more.
+
+        ``%xla_pool start --keep [NAME]`` keeps the pool when the kernel goes
+        (restart, crash): ``%xla_pool attach NAME`` in a new kernel drives it
+        again, ``%xla_pool list`` shows kept pools, ``%xla_pool stop NAME``
+        ends one, and one with no kernel attached ends itself after
+        ``--keep-idle`` seconds.
         """
         args = parse_argstring(self.xla_pool, line)
         _check_pool_arguments(args)
@@ -461,13 +495,21 @@ class XlaMagics(Magics):
                                   spmd=spmd_options(args), xla_report=args.xla_report,
                                   hosts=parse_hosts(args.hosts) if args.hosts is not None else None,
                                   template=_unquoted(args.launch) if args.launch is not None else None,
-                                  hang_after=args.hang_after, compile_cache=args.compile_cache)
+                                  hang_after=args.hang_after, compile_cache=args.compile_cache,
+                                  keep=args.keep, keep_idle=args.keep_idle)
             if args.action == "start":
                 self.session.start_pool(options)
             else:
                 self.session.restart_pool(options)
+        elif args.action == "stop" and args.names:
+            self.session.stop_kept(args.names[0])
+            print(f"kept pool {args.names[0]} stopped")
         elif args.action == "stop":
             print("pool stopped" if self.session.stop_pool() else "no pool is running")
+        elif args.action == "attach":
+            self.session.attach_pool(args.names[0] if args.names else kept_names.DEFAULT_NAME, args.steal)
+        elif args.action == "list":
+            print(self.session.list_kept())
         elif args.action == "push":
             self.session.push(args.names, self.shell.user_ns)
         elif args.action == "pull":
@@ -499,8 +541,19 @@ def _check_pool_arguments(args: argparse.Namespace) -> None:
             _check_name(name, f"%xla_pool {args.action} takes variable names")
         if args.action == "pull" and len(args.names) > 1:
             raise UsageError("%xla_pool pull takes one name at a time, like %xla_pool pull loss --rank 0")
+    elif args.action in ("attach", "stop") and args.names:
+        if len(args.names) > 1:
+            raise UsageError(f"%xla_pool {args.action} takes one kept pool's name, like %xla_pool {args.action} model")
     elif args.names:
-        raise UsageError(f"%xla_pool {args.action} takes no names (only push and pull do)")
+        raise UsageError(f"%xla_pool {args.action} takes no names (only push and pull do, and attach and stop take "
+                         f"a kept pool's)")
+    if (args.keep is not None or args.keep_idle is not None) and args.action not in ("start", "restart"):
+        raise UsageError("--keep and --keep-idle go with %xla_pool start (and restart) only; a kept pool is "
+                         "attached with %xla_pool attach NAME")
+    if args.keep_idle is not None and args.keep is None and args.action == "start":
+        raise UsageError("--keep-idle is for a kept pool: add --keep NAME")
+    if args.steal and args.action != "attach":
+        raise UsageError("--steal goes with %xla_pool attach only")
     if (args.hosts is not None or args.launch is not None) and args.action not in ("start", "restart"):
         raise UsageError("--hosts and --launch go with %xla_pool start and restart only")
     if args.launch is not None and args.hosts is None and args.action == "start":

@@ -31,6 +31,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import termios
 import time
 from typing import Any
@@ -137,6 +138,7 @@ class Ranks:
         self.place: dict[str, Any] | None = None  # the kernel's directory and path, as the ranks last got them
         self.results = transport.RunSegments()  # where ranks put large results and pulled values
         self.store: str | None = None  # the gloo store's directory, for the set's life
+        self.store_home: str | None = None  # where it is made (a kept pool's directory), else the kernel's own
         self.hang_after: float | None = None  # a pool's --hang-after, for cells that give none (watch.py)
         self.modules_checked = 0  # len(sys.modules) when the kernel was last found not to hold libtpu
         # torch_xla's persistent compilation cache: what was asked for, what the ranks' job says, what each
@@ -158,7 +160,8 @@ class Ranks:
         theirs: list[socket.socket] = []
         try:
             theirs = self._open_sockets()
-            self.store = self.workdir.new(f"store-{run_id}-")
+            self.store = self.workdir.new(f"store-{run_id}-") if self.store_home is None else \
+                tempfile.mkdtemp(prefix=f"store-{run_id}-", dir=self.store_home)
             job = {
                 "run_id": run_id,
                 "store": self.store,

@@ -171,10 +171,11 @@ class Runner:
         finally:
             ranks.shipping.settle(delivered)
 
-    def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
-        """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
+    def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None, launcher: Launcher | None = None) -> None:
+        """Start the ranks' job (on ``launcher``: a kept pool's own, else this host's); launcher trouble becomes a
+        UsageError, Ctrl-C a RunInterrupted."""
         self.release_post_mortem("new ranks started since")
-        launcher = self.ready_launcher()
+        launcher = launcher or self.ready_launcher()
         self.history.remember(record)
         try:
             ranks.launch(launcher, record.run_id, first)

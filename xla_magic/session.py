@@ -20,6 +20,7 @@ from xla_magic.run import watch
 from xla_magic.compile_cache import CacheSetting
 from xla_magic.history import History
 from xla_magic.pools.across_hosts import HostsPool
+from xla_magic.pools import kept
 from xla_magic.pools.this_host import LocalPool
 from xla_magic.pools.interface import Cell, Pool, PoolOptions
 from xla_magic.record import RunRecord
@@ -84,7 +85,10 @@ class Session:
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
                        profile=profile, hang_after=hang_after, compile_cache=compile_cache)
         pool = self.current_pool()
-        return self.host.one_shot(request) if pool is None else pool.run_cell(request)
+        if pool is None:
+            kept.refuse_if_held(backend, devices, "%%xla_spawn")
+            return self.host.one_shot(request)
+        return pool.run_cell(request)
 
     # -- the pool ------------------------------------------------------------
 
@@ -102,10 +106,39 @@ class Session:
             running.check_start(options)
             print(f"the pool is already running: {running.describe()}")
             return running
-        pool: Pool = kind.start(self.host, options)
+        if options.hosts is None:
+            kept.refuse_if_held(options.backend or "auto", options.devices, "%xla_pool start")
+        pool: Pool = kept.KeptPool.start_kept(self.host, options) if options.keep is not None and \
+            options.hosts is None else kind.start(self.host, options)
         self.pool = pool
         print(f"pool ready in {pool.start_seconds:.1f} s: {pool.describe()}")
         return pool
+
+    def attach_pool(self, name: str, steal: bool) -> Pool:
+        """``%xla_pool attach NAME``: drive a kept pool's ranks from this kernel (its old names, its graphs)."""
+        running = self.current_pool()
+        if running is not None:
+            if isinstance(running, kept.KeptPool) and running.name == name:
+                print(f"already attached: {running.describe()}")
+                return running
+            raise UsageError(f"a pool is running in this kernel ({running.describe()}): %xla_pool stop it first, "
+                             f"then %xla_pool attach {name}")
+        pool = kept.KeptPool.attach(self.host, name, steal)
+        self.pool = pool
+        print(f"attached: {pool.describe()}")
+        return pool
+
+    @staticmethod
+    def list_kept() -> str:
+        return kept.listing()
+
+    def stop_kept(self, name: str) -> None:
+        """``%xla_pool stop NAME``: this kernel's pool if it is kept as NAME, else the kept pool of that name."""
+        running = self.current_pool()
+        if isinstance(running, kept.KeptPool) and running.name == name:
+            self.stop_pool()
+        else:
+            kept.end_by_name(name)
 
     def restart_pool(self, options: PoolOptions) -> Pool:
         """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
@@ -176,6 +209,6 @@ class Session:
         try:
             pool, self.pool = self.pool, None
             if pool is not None:
-                pool.stop()
+                pool.leave()
         finally:
             self.host.close()

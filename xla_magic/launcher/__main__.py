@@ -5,6 +5,10 @@ imports torch and torch_xla once (the 5-7 s a cell should not pay again),
 never initialises an XLA runtime, and forks one supervisor per job. It exits
 when the kernel says STOP or closes the socket, and dies with the kernel
 (PDEATHSIG).
+
+With ``--keep NAME --keep-dir DIR`` it is a kept pool's launcher: it takes
+one job (the pool's), does not die with the kernel, and serves the pool
+from then on (keeper.py).
 """
 
 from __future__ import annotations
@@ -93,9 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m xla_magic.launcher")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket to the kernel")
     parser.add_argument("--parent-pid", type=int, required=True, help="the kernel's pid, as the kernel knows it")
+    parser.add_argument("--keep", metavar="NAME", help="a kept pool's launcher: outlives the kernel (keeper.py)")
+    parser.add_argument("--keep-dir", metavar="DIR", help="with --keep: the pool's 0700 directory")
+    parser.add_argument("--keep-idle", type=float, default=7200.0, help="with --keep: seconds with no kernel")
     args = parser.parse_args(argv)
 
-    lifetime.die_with_parent(args.parent_pid)
+    if not args.keep:
+        lifetime.die_with_parent(args.parent_pid)
     # Interrupts are for the ranks; the kernel decides what reaches them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Supervisors are reaped by the system; we never wait for them.
@@ -120,7 +128,40 @@ def main(argv: list[str] | None = None) -> None:
         import_seconds=time.monotonic() - started,
         **versions,
     )
-    serve(channel)
+    if args.keep:
+        keep(channel, args)
+    else:
+        serve(channel)
+
+
+def keep(channel: protocol.Channel, args: argparse.Namespace) -> None:
+    """A kept pool's launcher: its one job, then the pool's server until the pool ends (keeper.py)."""
+    from xla_magic.launcher import keeper as keeper_module
+
+    # The kernel's restart must not reach us through the terminal or its group: we are in our own session.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    keeper = keeper_module.Keeper(args.keep, args.keep_dir, args.keep_idle, channel, args.parent_pid)
+    try:
+        event, fds = channel.recv_with_fds(MAX_FDS)
+        if event.kind != protocol.JOB:
+            for fd in fds:
+                os.close(fd)
+            return
+        from xla_magic.launcher import backends
+
+        launcher_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            channel.sock.close()
+            keeper.listener.close()
+            backends.supervise(event.fields, fds, launcher_pid)
+        for fd in fds:
+            os.close(fd)
+        channel.send(protocol.STARTED, run_id=event.fields["run_id"], pid=pid)
+        keeper.take_job(pid)
+        keeper.run()
+    finally:
+        keeper.close()
 
 
 if __name__ == "__main__":

@@ -100,6 +100,10 @@ class HostsPool:
     @staticmethod
     def check_options(options: PoolOptions) -> None:
         """What no pool across hosts can be, whatever runs now."""
+        if options.keep is not None or options.keep_idle is not None:
+            raise UsageError("--keep works on one host only: a pool across hosts ends with its kernel (its engines "
+                             "and controller would need keeping and reconnecting too). Leave --keep out, or keep a "
+                             "pool on this host (%xla_pool start --keep NAME without --hosts)")
         if options.spmd is not None and (options.backend or "auto") != "tpu":
             raise UsageError("--spmd on several hosts needs TPUs: in the CPU simulation XLA's CPU client is one "
                              "process and cannot span hosts. Leave --spmd out (one rank per device), or run on TPU "
@@ -293,6 +297,10 @@ class HostsPool:
     def _take_pids(self, by_host: list[dict[int, int]]) -> None:
         self.pids = {index * self.devices + rank: pid for index, pids in enumerate(by_host)
                      for rank, pid in (pids or {}).items()}
+
+    def leave(self) -> None:
+        """The kernel's session closes: a pool across hosts ends with it."""
+        self.stop()
 
     def stop(self) -> None:
         """Every host's ranks and launcher, the engines, then the controller; nothing left anywhere."""

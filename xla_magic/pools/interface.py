@@ -51,6 +51,8 @@ class PoolOptions:
     template: str | None = None  # with hosts: the command that starts an engine on a host
     hang_after: float | None = None  # --hang-after, for the pool's cells that give none
     compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache; None: the default (restart: as before)
+    keep: str | None = None  # --keep NAME: a kept pool (pools/kept.py), which outlives the kernel
+    keep_idle: float | None = None  # --keep-idle: seconds with no kernel attached and no cell running; None: 2 h
 
     def but(self, **changes: Any) -> PoolOptions:
         return replace(self, **changes)
@@ -102,6 +104,9 @@ class Pool(Protocol):
 
     def stop(self) -> None:
         """End every rank, and whatever they started; nothing is left."""
+
+    def leave(self) -> None:
+        """The kernel's session closes: end the pool, unless it is kept (then only let go of it)."""
 
     def describe(self) -> str:
         """One line: kind, size, state."""

@@ -17,7 +17,7 @@ from xla_magic import compile_cache, payload, sharding
 from xla_magic.pools import admission, policy
 from xla_magic.run import watch
 from xla_magic.wire import protocol, transport
-from xla_magic.launcher_client import READY_TIMEOUT
+from xla_magic.launcher_client import READY_TIMEOUT, Launcher
 from xla_magic.pools.interface import Cell, PoolOptions, check_names, check_rank
 from xla_magic.ranks import Ranks
 from xla_magic.run.request import Request
@@ -49,17 +49,25 @@ class LocalPool:
     @classmethod
     def start(cls, runner: Runner, options: PoolOptions, world: protocol.World | None = None) -> LocalPool:
         """``%xla_pool start``: ready ranks (or, with ``options.spmd``, an SPMD process) on this host."""
+        ranks = cls.start_ranks(runner, options, world)
+        return cls(runner, ranks, options.xla_report)
+
+    @staticmethod
+    def start_ranks(runner: Runner, options: PoolOptions, world: protocol.World | None = None,
+                    launcher: Launcher | None = None, store_home: str | None = None) -> Ranks:
+        """The pool's ranks, ready (on ``launcher``, a kept pool's own, with its store in ``store_home``)."""
         backend = options.backend or "auto"
         placement = plan(backend, options.devices, "%xla_pool start", options.spmd)
         ranks = Ranks(placement, policy.POOL, requested_backend=backend, workdir=runner.workdir, world=world,
                       cache=runner.cache_setting(options.compile_cache))
         ranks.hang_after = options.hang_after
+        ranks.store_home = store_home
         record = runner.record(runner.history.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
                         on_update=runner.history.notify, live_lines=options.live_lines)
         began = time.monotonic()
         try:
-            runner.launch(ranks, record, first=None)
+            runner.launch(ranks, record, first=None, launcher=launcher)
             start.start()
             try:
                 start.wait()
@@ -69,9 +77,8 @@ class LocalPool:
             ranks.stop()
             raise
         ranks.start_answered(time.monotonic() - began)
-        pool = cls(runner, ranks, options.xla_report)
         runner.history.notify(record)  # a panel on show learns of the pool now, not at its next redraw
-        return pool
+        return ranks
 
     # -- what the session reads --------------------------------------------------
 
@@ -172,6 +179,10 @@ class LocalPool:
 
     def stop(self) -> None:
         self.ranks.stop()
+
+    def leave(self) -> None:
+        """The kernel's session closes: a pool that is not kept ends with it."""
+        self.stop()
 
     def describe(self) -> str:
         return self.ranks.describe()

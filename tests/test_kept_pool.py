@@ -1,0 +1,278 @@
+"""Kept pools: ranks that outlive their kernel, through real Jupyter kernels, real restarts and a real SIGKILL.
+
+``%xla_pool start --keep NAME`` in one kernel; ``KernelManager.restart_kernel``
+(which kills the kernel's process group, as Jupyter does) or SIGKILL of the
+kernel; then a new kernel's ``%load_ext`` names the pool, ``%xla_pool
+attach`` drives it, its old names are there, and a graph compiled before is
+not compiled again (torch_xla's own counters, as the report reads them).
+Idle expiry, the owner-only socket (a user made by the test, as root), one
+kernel at a time and --steal, the devices-held refusal, and the refusal of
+--keep across hosts. Every kept pool a test makes is ended in its teardown,
+and the test checks its launcher is gone.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import pwd
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+from helpers import Kernel
+from xla_magic.pools import kept as kept_pools
+from xla_magic.wire import kept
+
+MODEL = ("import torch\n"
+         "torch.manual_seed(0)\n"
+         "model = torch.nn.Linear(4, 2).to(device)\n"
+         "steps = 3\n"
+         "out = model(torch.ones(1, 4, device=device) * (rank + 1))\n"
+         "round(out.sum().item(), 4)")
+AGAIN = "out = model(torch.ones(1, 4, device=device) * (rank + 1))\nround(out.sum().item(), 4), steps"
+COMPILES = "[state.xla['compiles'] for state in get_ipython()._xla_magic_session.last_cell.ranks.values()]"
+WAIT = 60.0  # bound on waiting for a process to go
+
+
+@pytest.fixture
+def pools_home(tmp_path_factory, monkeypatch):
+    """Kept pools under a folder of the test's (short: a Unix socket's path has at most 107 bytes); every pool
+    left there is ended, and its launcher waited for, after the test."""
+    home = tmp_path_factory.mktemp("kp")
+    runtime = home / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))  # the kernels the test starts inherit it
+    try:
+        yield runtime
+    finally:
+        for name in kept.names():
+            record = kept.read_record(name) or {}
+            try:
+                kept_pools.end_by_name(name)
+            except UsageError:
+                pass
+            pid = record.get("pid")
+            if pid and kept.process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            wait_gone(pid)
+
+
+def wait_gone(pid: int | None) -> bool:
+    deadline = time.monotonic() + WAIT
+    while kept.process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def ok(kernel: Kernel, code: str) -> str:
+    reply, text = kernel.run(code)
+    assert reply["status"] == "ok", text
+    return text
+
+
+def launcher_pid(name: str) -> int:
+    record = kept.read_record(name)
+    assert record is not None, f"no record for kept pool {name}"
+    return record["pid"]
+
+
+def test_a_restart_keeps_names_a_model_and_compiled_graphs(pools_home):
+    first = Kernel()
+    second = None
+    try:
+        ok(first, "%load_ext xla_magic")
+        started = ok(first, "%xla_pool start --keep model --devices 2 --backend cpu")
+        assert "kept as model" in started, started
+        before = ok(first, "%%xla_spawn\n" + MODEL)
+        assert all(count > 0 for count in ast.literal_eval(ok(first, COMPILES))), "the first run compiles"
+        pid = launcher_pid("model")
+        rank_pids = ast.literal_eval(ok(first, "sorted(set(get_ipython()._xla_magic_session.pool.pids.values()))"))
+        old_kernel = first.pid
+
+        first.manager.restart_kernel(now=True)  # kills the kernel's process group, as Jupyter's restart does
+        assert first.pid != old_kernel and not kept.process_alive(old_kernel)
+        assert kept.process_alive(pid) and all(kept.process_alive(rank) for rank in rank_pids)
+
+        loaded = ok(first, "%load_ext xla_magic")
+        assert "pool model is kept (2 ranks on the cpu backend" in loaded and "%xla_pool attach model" in loaded, \
+            loaded
+        listed = ok(first, "%xla_pool list")
+        assert listed.startswith("model: 2 ranks on the cpu backend") and f"pid {pid}" in listed, listed
+        assert "no kernel attached for" in listed, listed
+        attached = ok(first, "%xla_pool attach model")
+        assert "attached: kept as model" in attached, attached
+        # The names the old kernel's cells made, in the same rank processes; the graph it compiled is reused.
+        again = ok(first, "%%xla_spawn\n" + AGAIN)
+        values = [float(part) for part in before.strip().strip("[]").split(", ")]
+        assert again.strip() == str([(value, 3) for value in values]), (before, again)
+        assert ok(first, COMPILES).strip() == "[0, 0]"
+        assert "attached to this kernel" in ok(first, "%xla_pool list")
+
+        # A SIGKILL of the kernel leaves it too; a new kernel attaches as well.
+        os.kill(first.pid, signal.SIGKILL)
+        wait_gone(first.pid)
+        second = Kernel()
+        ok(second, "%load_ext xla_magic")
+        ok(second, "%xla_pool attach model")
+        assert ok(second, "%%xla_spawn\nsteps += 1\nsteps").strip() == "[4, 4]"
+        stopped = ok(second, "%xla_pool stop model")
+        assert "kept pool model stopped" in stopped or "pool stopped" in stopped, stopped
+        assert wait_gone(pid) and not any(kept.process_alive(rank) for rank in rank_pids)
+        assert kept.names() == [] and (pools_home / "xla_magic" / "pools" / "model.log").exists()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
+def test_one_kernel_at_a_time_steal_and_the_devices_held_message(pools_home):
+    holder, other = Kernel(), Kernel()
+    try:
+        ok(holder, "%load_ext xla_magic")
+        ok(holder, "%xla_pool start --keep shared --devices 2 --backend cpu")
+        ok(holder, "%%xla_spawn\nx = rank + 10")
+        ok(other, "%load_ext xla_magic")
+        # New ranks on the devices the kept pool holds are refused, naming it (never the runtime's "TPU in use").
+        reply, text = other.run("%%xla_spawn --devices 2 --backend cpu\nrank")
+        assert reply["status"] == "error" and "%%xla_spawn refused: kept pool shared holds the devices" in text, text
+        assert "%xla_pool attach shared" in text and "%xla_pool stop shared" in text, text
+        reply, text = other.run("%xla_pool start --devices 2 --backend cpu")
+        assert reply["status"] == "error" and "kept pool shared holds the devices" in text, text
+        # Attached elsewhere: refused, naming the holder; --steal takes it over.
+        reply, text = other.run("%xla_pool attach shared")
+        assert reply["status"] == "error" and f"attached to another kernel (pid {holder.pid})" in text, text
+        assert "--steal" in text, text
+        ok(other, "%xla_pool attach shared --steal")
+        assert ok(other, "%%xla_spawn\nx").strip() == "[10, 11]"
+        reply, text = holder.run("%%xla_spawn\nx")
+        assert reply["status"] == "error" and f"taken over by the kernel with pid {other.pid}" in text, text
+        ok(other, "%xla_pool stop shared")
+        assert kept.names() == []
+    finally:
+        holder.close()
+        other.close()
+
+
+def test_a_pool_nobody_attaches_ends_itself_and_says_so(pools_home):
+    kernel = Kernel()
+    try:
+        ok(kernel, "%load_ext xla_magic")
+        ok(kernel, "%xla_pool start --keep idle --keep-idle 1 --devices 2 --backend cpu")
+        pid = launcher_pid("idle")
+        ok(kernel, "%%xla_spawn\nx = 1")
+        assert kept.process_alive(pid)  # attached: no expiry while a kernel holds it
+    finally:
+        kernel.close()  # the kernel goes; the pool waits --keep-idle, then ends itself
+    assert wait_gone(pid), "the idle pool's launcher did not end"
+    log = (pools_home / "xla_magic" / "pools" / "idle.log").read_text()
+    assert "idle: no kernel attached for" in log and "--keep-idle 1" in log and "ending it" in log, log
+    assert kept.names() == []
+
+
+OTHER_USER = "xlamagic45"
+
+
+@pytest.fixture
+def other_user():
+    """A user made for the test (root only), removed after it."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None:
+        pytest.skip("making a user needs root and useradd")
+    subprocess.run(["userdel", OTHER_USER], capture_output=True)
+    subprocess.run(["useradd", "--no-create-home", OTHER_USER], check=True, capture_output=True)
+    try:
+        yield pwd.getpwnam(OTHER_USER)
+    finally:
+        subprocess.run(["userdel", OTHER_USER], check=True, capture_output=True)
+
+
+# What the other user runs, with the system's Python and nothing of ours: connect, read the one answer.
+PEER = """
+import pickle, socket, struct, sys
+sock = socket.socket(socket.AF_UNIX)
+try:
+    sock.connect(sys.argv[1])
+except OSError as exc:
+    print("cannot connect:", exc.errno)
+    sys.exit(0)
+data = b""
+while True:
+    chunk = sock.recv(65536)
+    if not chunk:
+        break
+    data += chunk
+print(repr(data))
+"""
+
+
+def test_only_its_owner_attaches(pools_home, other_user):
+    kernel = Kernel()
+    opened: dict[str, int] = {}  # each folder opened to others, with its mode before
+    try:
+        ok(kernel, "%load_ext xla_magic")
+        ok(kernel, "%xla_pool start --keep mine --devices 2 --backend cpu")
+        directory = kept.directory("mine")
+        socket_path = os.path.join(directory, kept.SOCKET)
+        assert os.stat(directory).st_mode & 0o777 == 0o700 and os.stat(socket_path).st_mode & 0o777 == 0o600
+        listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout
+        assert f"pid={launcher_pid('mine')}," not in listening  # no TCP listener
+        peer = ["runuser", "-u", OTHER_USER, "--", "/usr/bin/python3", "-c", PEER, socket_path]
+        # The directory keeps the other user out...
+        done = subprocess.run(peer, capture_output=True, text=True, timeout=WAIT)
+        assert done.stdout.strip() == "cannot connect: 13", (done.stdout, done.stderr)  # EACCES
+        # ...and were it opened to everyone, the pool itself refuses the peer by its uid (SO_PEERCRED).
+        for path in _up_to(directory, os.path.dirname(tempfile.gettempdir().rstrip(os.sep)) or os.sep):
+            opened[path] = os.stat(path).st_mode & 0o7777
+            os.chmod(path, opened[path] | 0o011)
+        os.chmod(socket_path, 0o666)
+        done = subprocess.run(peer, capture_output=True, text=True, timeout=WAIT)
+        answer = ast.literal_eval(done.stdout.strip()) if done.stdout.startswith("b") else b""
+        assert answer[:1] == b"F", (done.stdout, done.stderr)
+        length = struct.unpack("!I", answer[1:5])[0]
+        _version, kind, fields = pickle.loads(answer[5:5 + length])
+        assert kind == kept.REFUSED and "belongs to another user" in fields["message"], fields
+        log = (pools_home / "xla_magic" / "pools" / "mine.log").read_text()
+        assert f"refused a connection from uid {other_user.pw_uid}" in log, log
+        # The owner still attaches after that (here: the kernel holding it is asked again, and says so).
+        assert "already attached" in ok(kernel, "%xla_pool attach mine")
+        ok(kernel, "%xla_pool stop mine")
+    finally:
+        for path, mode in opened.items():
+            if os.path.exists(path):
+                os.chmod(path, mode)
+        kernel.close()
+
+
+def _up_to(path: str, top: str) -> list[str]:
+    """``path`` and its parents below ``top``."""
+    found = []
+    while path != top and path != os.path.dirname(path):
+        found.append(path)
+        path = os.path.dirname(path)
+    return found
+
+
+def test_keep_is_refused_across_hosts_and_bad_options_say_what_to_do(ip, pools_home):
+    with pytest.raises(UsageError, match="--keep works on one host only") as raised:
+        ip.run_line_magic("xla_pool", "start --keep x --hosts 10.0.0.2,10.0.0.3")
+    assert type(raised.value) is UsageError
+    with pytest.raises(UsageError, match="a kept pool's name is letters"):
+        ip.run_line_magic("xla_pool", "start --keep ../x --devices 2 --backend cpu")
+    with pytest.raises(UsageError, match="--keep-idle is for a kept pool"):
+        ip.run_line_magic("xla_pool", "start --keep-idle 10 --devices 2 --backend cpu")
+    with pytest.raises(UsageError, match="--steal goes with %xla_pool attach only"):
+        ip.run_line_magic("xla_pool", "start --steal")
+    with pytest.raises(UsageError, match="no kept pool named nothing"):
+        ip.run_line_magic("xla_pool", "attach nothing")
+    with pytest.raises(UsageError, match="no kept pool named nothing"):
+        ip.run_line_magic("xla_pool", "stop nothing")
+    assert kept.names() == []
