@@ -251,7 +251,9 @@ def test_push_and_pull(ip, pool, spawn):
         ("push", "needs a name"),
         ("pull a b", "one name"),
         ("pull 3x", "variable names"),
-        ("stop now", "takes no names"),
+        ("stop now", "no kept pool named now"),  # stop NAME ends a kept pool (test_kept_pool.py)
+        ("stop a b", "takes one kept pool's name"),
+        ("restart now", "takes no names"),
         ("push a --rank 1", "--rank goes with"),
         ("pull a --rank 5", "between 0 and 1"),
         ("push a --devices 2", "start and restart only"),
