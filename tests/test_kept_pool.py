@@ -27,7 +27,7 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from helpers import Kernel
+from helpers import Kernel, pool_magic
 from xla_magic.pools import kept as kept_pools
 from xla_magic.wire import kept
 
@@ -276,3 +276,18 @@ def test_keep_is_refused_across_hosts_and_bad_options_say_what_to_do(ip, pools_h
     with pytest.raises(UsageError, match="no kept pool named nothing"):
         ip.run_line_magic("xla_pool", "stop nothing")
     assert kept.names() == []
+
+
+def test_a_kept_pool_restarts_kept_and_stops_from_the_kernel_attached(ip, pools_home):
+    started = pool_magic(ip, "start --keep again --devices 2 --backend cpu --keep-idle 600")
+    try:
+        assert "kept as again" in started, started
+        first = launcher_pid("again")
+        restarted = pool_magic(ip, "restart")
+        assert "kept as again" in restarted, restarted
+        assert launcher_pid("again") != first and wait_gone(first)
+        assert kept.read_record("again")["idle_limit"] == 600  # as before
+        assert "attached to this kernel" in pool_magic(ip, "list")
+    finally:
+        pool_magic(ip, "stop")
+    assert kept.names() == [] and "no kept pools" in pool_magic(ip, "list")

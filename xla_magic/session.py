@@ -143,8 +143,8 @@ class Session:
     def restart_pool(self, options: PoolOptions) -> Pool:
         """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
         old = self.current_pool()
-        if old is None or options.hosts is not None:
-            self.stop_pool()
+        if old is None or options.hosts is not None or (options.keep is not None and not isinstance(old, kept.KeptPool)):
+            self.stop_pool()  # a pool that becomes kept needs a launcher of its own
             return self.start_pool(options)
         self.pool = None
         try:
