@@ -203,10 +203,15 @@ class Keeper:
             except OSError:
                 pass
             self.link.sock.close()
-        channel.send_with_fds(self.held, kept.HELD, **self.fields)
         self.link, self.kernel_pid, self.detached_at = channel, pid, None
+        self.write_record()  # before the answer: what the attached kernel reads next names it
+        try:
+            channel.send_with_fds(self.held, kept.HELD, **self.fields)
+        except OSError:
+            say(f"{self.name}: kernel {pid} went while attaching")
+            self._detach()
+            return
         say(f"{self.name}: kernel {pid} attached")
-        self.write_record()
 
     def _ending(self, channel: protocol.Channel) -> None:
         say(f"{self.name}: ended by kernel {self.kernel_pid if channel is self.link else 'not attached'}")
