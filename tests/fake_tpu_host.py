@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 
 FAKE_TPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_tpu")
-CLONE_NEWNS = 0x00020000
+CLONE_NEWNS, CLONE_FS = 0x00020000, 0x00000200
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 
 # accelerator type -> (PCI device id, GKE's TPU_HOST_BOUNDS, TPU_CHIPS_PER_HOST_BOUNDS)
@@ -104,6 +104,8 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, **env: str
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
+                # Threads started meanwhile share this thread's filesystem context, and setns wants it alone.
+                _check(_libc.unshare(CLONE_FS), "unshare(CLONE_FS)")
                 _check(_libc.setns(home, CLONE_NEWNS), "setns back")
                 os.chdir(cwd)
     finally:

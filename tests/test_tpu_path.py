@@ -11,6 +11,8 @@ import os
 import pytest
 
 from fake_tpu_host import fake_tpu_host
+from helpers import assert_nothing_left, interrupt_once_shown
+from xla_magic.display import RankError, RunInterrupted
 
 SHOW = """
 import os, torch, torch_xla.runtime as xr
@@ -27,3 +29,30 @@ def test_v5e_8_runs_one_process_per_chip_with_ordinals_0_to_7_and_results_in_ord
     assert len({value[4] for value in values}) == 8  # one process per chip
     assert os.getpid() not in {value[4] for value in values}
     assert [value[5] for value in values] == [[float(r)] * 2 for r in range(8)]
+
+
+def test_v5e_1_runs_the_rank_in_a_process_of_its_own_that_can_fail_die_and_be_debugged(ip, spawn):
+    session = ip._xla_magic_session
+    with fake_tpu_host(ip, "v5litepod-1"):
+        (value,) = spawn("", SHOW).value
+        assert value[:4] == (0, 0, 1, "0")  # torch_xla's one-chip layout: TPU_VISIBLE_CHIPS=0
+        # killed as a rank is, the supervisor reports it as with 8 chips
+        with pytest.raises(RankError, match="SIGKILL"):
+            spawn("", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+        # a failure keeps the rank for %debug, in its own process
+        with pytest.raises(RankError, match="ZeroDivisionError"):
+            spawn("", "x = 1\nx / 0")
+        post_mortem = session.post_mortem
+        assert post_mortem is not None and list(post_mortem.debuggable) == [0]
+        assert post_mortem.ranks.pids[0] not in (os.getpid(), post_mortem.ranks.supervisor_pid)
+        session.release_post_mortem()
+        # an interrupt whose SIGTERM the rank ignores ends in SIGKILL, for the rank alone
+        sent = interrupt_once_shown("deaf", 1)
+        cell = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('deaf', flush=True)\ntime.sleep(600)")
+        with pytest.raises(RunInterrupted):
+            spawn("", cell)
+        assert sent.is_set()
+        assert {s.state for s in session.history[-1].ranks.values()} == {"killed"}
+        assert spawn("", "rank + 1").value == [1]
+        assert_nothing_left(ip)

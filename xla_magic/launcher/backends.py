@@ -13,8 +13,11 @@ until the kernel closes their sockets); see serve.Serving.
 
 - cpu: one forked process per rank, each with a single XLA CPU device
   (PJRT_DEVICE=CPU), joined in a gloo process group on loopback.
-- tpu: torch_xla's ``xmp.spawn(..., start_method="fork")``. With
-  PJRT_DEVICE=CPU it runs the same code path as CPU_NUM_DEVICES threads.
+- tpu: torch_xla's ``xmp.spawn(..., start_method="fork")``, one process per
+  chip, each calling the rank with its global ordinal. One chip: a forked
+  process of its own runs torch_xla's ``nprocs=1`` layout (which runs the
+  rank in the calling process). With PJRT_DEVICE=CPU it runs the same code
+  path as CPU_NUM_DEVICES threads.
 - SPMD (a job with ``spmd``, on either backend): one forked process that
   owns every device, with spmd.environment() applied before the runtime
   starts and spmd.setup() for its names; no xmp.spawn.
@@ -314,13 +317,20 @@ def run_tpu(
     here: torch_xla reads it from the TPU VM's metadata (or GKE's TPU_WORKER_* variables) itself."""
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    _rank_environment()
+    if not cpu_threads and len(ranks) == 1:
+        # One chip: torch_xla's nprocs=1 runs the function in the calling process, which must not be
+        # this one (the rank's fate, a SIGKILL or the interrupt's SIGTERM, would be the supervisor's).
+        supervisor_pid = os.getpid()
+        _fork_and_wait(ranks, supervisor, lambda rank: _one_chip(ranks, supervisor, serving, run_id, world,
+                                                                 supervisor_pid))
+        return
+    _rank_environment(world)
     if cpu_threads:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(len(ranks))
         nprocs = None
     else:
-        nprocs = 1 if len(ranks) == 1 else None
+        nprocs = None
     # xmp.spawn's worker processes are forked from here and inherit this handler
     # instead of the supervisor's SIG_IGN; the ranks are their threads. They
     # must also die of SIGTERM, and only the main thread can say so: here.
@@ -338,6 +348,25 @@ def run_tpu(
     relay.all_ended()
     lifetime.end_descendants()
     supervisor.send(protocol.ENDED, error=error)
+
+
+def _one_chip(ranks: list[rank_module.RankSockets], supervisor: protocol.Channel, serving: serve.Serving,
+              run_id: int, world: protocol.World | None, supervisor_pid: int) -> None:
+    """The one rank on one chip: a process of its own, where torch_xla's nprocs=1 layout runs it; never returns."""
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    code = 1
+    try:
+        _forked_rank(0, ranks, supervisor, supervisor_pid, world)
+        interrupt.install_handler()
+        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, serving, run_id, world), nprocs=1)
+        code = 0 if _served_ok else 1
+    finally:
+        lifetime.flush_c_stdio()
+        os._exit(code)
+
+
+_served_ok = False  # in a one-chip rank: what its serve() said
 
 
 def _tpu_rank(
@@ -375,5 +404,6 @@ def _tpu_rank(
             names.update(local_rank=index, host=world["host"])
         return names
 
-    serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
+    global _served_ok
+    _served_ok = serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
     lifetime.flush_c_stdio()
