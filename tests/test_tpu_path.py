@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from IPython.core.error import UsageError
 
 from fake_tpu_host import fake_tpu_host
 from helpers import assert_nothing_left, interrupt_once_shown
@@ -56,3 +57,20 @@ def test_v5e_1_runs_the_rank_in_a_process_of_its_own_that_can_fail_die_and_be_de
         assert {s.state for s in session.history[-1].ranks.values()} == {"killed"}
         assert spawn("", "rank + 1").value == [1]
         assert_nothing_left(ip)
+
+
+def test_ranks_are_counted_as_torch_xla_starts_them_and_an_impossible_count_is_refused_before_start(ip, spawn):
+    with fake_tpu_host(ip, "v5litepod-8", TPU_PROCESS_BOUNDS="2,2,1"):  # set by the image
+        values = spawn("", SHOW).value
+        assert [value[:3] for value in values] == [(r, r, 4) for r in range(4)]
+        launchers = ip._xla_magic_session.host.launcher
+        with pytest.raises(UsageError, match=r"TPU_PROCESS_BOUNDS=2,2,1: torch_xla's spawn starts 4 process"
+                                             r".*--devices can be 1 or 4, not 8"):
+            spawn("--devices 8", "rank")
+        assert ip._xla_magic_session.history[-1].ranks.keys() == set(range(4))  # no run was started
+        assert ip._xla_magic_session.host.launcher is launchers
+    with fake_tpu_host(ip, "v5litepod-8", TPU_VISIBLE_CHIPS="3"):
+        with pytest.raises(UsageError, match="TPU_VISIBLE_CHIPS=3 is set.*--devices 1"):
+            spawn("", "rank")
+        (value,) = spawn("--devices 1", SHOW).value
+        assert value[:4] == (0, 0, 1, "3")  # torch_xla's one-chip layout keeps the user's chip

@@ -23,7 +23,7 @@ TPU_PCI_DEVICES = {
     "0x0063": ("v5e", 1),
     "0x0062": ("v5p", 1),
     "0x006f": ("v6e", 1),
-    "0x0076": ("v7x", 1),  # as torch_xla 2.9 counts it (_internal/tpu.py): one device per chip after v3
+    "0x0076": ("v7x", 2),  # one process per chip, whose two TensorCores are two devices (threads of it)
 }
 CPU_SIMULATION_MAX = 64
 
@@ -189,14 +189,49 @@ def place(backend: str, devices: int | None, sys_root: str = "/sys") -> Placemen
     tpu = find_tpu(sys_root)
     if tpu is None:
         return _place_without_chips(devices, sys_root)
-    possible = sorted({1, tpu.devices})
-    count = tpu.devices if devices is None else devices
+    most, why = spawned_devices(tpu)
+    possible = sorted({1, most})
+    count = most if devices is None else devices
     if count not in possible:
         raise PlacementError(
-            f"{tpu.describe()}: torch_xla's spawn runs on one device or on all of them, so "
+            f"{tpu.describe()}{why}: torch_xla's spawn runs on one device or on all of them, so "
             f"--devices can be {' or '.join(map(str, possible))}, not {count}. " + see("devices-one-or-all")
         )
+    if count > 1 and os.environ.get("TPU_VISIBLE_CHIPS"):
+        raise PlacementError(
+            f"TPU_VISIBLE_CHIPS={os.environ['TPU_VISIBLE_CHIPS']} is set, and torch_xla's spawn gives it to each "
+            f"of its {count // tpu.devices_per_chip} processes as it is, so they would all open the same chips. "
+            f"Unset TPU_VISIBLE_CHIPS to run on every chip, or use --devices 1 to run on the chip it names. "
+            + see("tpu-visible-chips")
+        )
     return Placement("tpu", count)
+
+
+def spawned_devices(tpu: TpuHost) -> tuple[int, str]:
+    """How many ranks torch_xla's spawn starts on this host, and what beyond the chips decided it.
+
+    As torch_xla's ``tpu.num_local_processes()``: one process per chip, but no more than
+    ``TPU_PROCESS_BOUNDS`` holds (an image's or a user's); each process drives its chip's devices.
+    """
+    bounds = os.environ.get("TPU_PROCESS_BOUNDS")
+    if not bounds:
+        return tpu.devices, ""
+    try:
+        size = 1
+        for dim in bounds.split(","):
+            size *= int(dim)
+    except ValueError:
+        raise PlacementError(
+            f"TPU_PROCESS_BOUNDS={bounds} is set, and torch_xla cannot read it (it wants three numbers, like "
+            f"2,2,1). Unset it to run on every chip. " + see("tpu-process-bounds")
+        ) from None
+    processes = min(tpu.chips, size)
+    if processes == tpu.chips:
+        return tpu.devices, ""
+    return processes * tpu.devices_per_chip, (
+        f" (TPU_PROCESS_BOUNDS={bounds}: torch_xla's spawn starts {processes} process(es), one per chip; "
+        f"unset it to use every chip)"
+    )
 
 
 def _place_without_chips(devices: int | None, sys_root: str) -> Placement:
