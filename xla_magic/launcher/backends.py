@@ -38,7 +38,7 @@ import traceback
 from typing import Any, Callable
 
 from xla_magic.wire import protocol
-from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
+from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, place, rank as rank_module, serve, simulate, spmd
 from xla_magic.launcher import strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
@@ -109,7 +109,9 @@ def _apply_environment(changes: dict[str, Any]) -> None:
     of its own in the launcher, and they stay."""
     for name in changes["unset"]:
         os.environ.pop(name, None)
-    os.environ.update(changes["set"])
+    for name, value in changes["set"].items():
+        os.environ[name] = place.merge_flags(value, os.environ.get(name, "")) if name in place.FLAG_VARIABLES else value
+
 
 
 # matplotlib's backend in ranks, as ipykernel sets it in a notebook: figures
