@@ -21,6 +21,7 @@ import pytest
 FAKE_TPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_tpu")
 CLONE_NEWNS, CLONE_FS = 0x00020000, 0x00000200
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+VFIO = "/dev/vfio"
 
 # accelerator type -> (PCI device id, GKE's TPU_HOST_BOUNDS, TPU_CHIPS_PER_HOST_BOUNDS)
 KINDS = {
@@ -55,8 +56,12 @@ def _drop_launcher(ip) -> None:
 
 
 @contextlib.contextmanager
-def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, **env: str) -> Iterator[None]:
-    """This process (and what it starts) on a TPU host of ``kind``, until the block ends."""
+def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, chip_files: bool = False,
+                  **env: str) -> Iterator[None]:
+    """This process (and what it starts) on a TPU host of ``kind``, until the block ends.
+
+    ``chip_files``: the chips' device files too, /dev/vfio/N (plain files on a tmpfs of the namespace's;
+    /dev/vfio is made for it where the machine has none, and removed afterwards)."""
     reason = refused()
     if reason:
         pytest.skip(reason)
@@ -81,6 +86,9 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, **env: str
     saved = dict(os.environ)
     cwd = os.getcwd()
     _drop_launcher(ip)
+    made_vfio = chip_files and not os.path.isdir(VFIO)
+    if made_vfio:
+        os.mkdir(VFIO)
     home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
     try:
         _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
@@ -94,6 +102,10 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, **env: str
                     file.write("0x1ae0\n")
                 with open(os.path.join(path, "device"), "w") as file:
                     file.write(device_id + "\n")
+            if chip_files:
+                _check(_libc.mount(b"fake-vfio", VFIO.encode(), b"tmpfs", 0, None), "mount tmpfs")
+                for chip in range(chips):
+                    open(os.path.join(VFIO, str(chip)), "w").close()
             os.environ.pop("PJRT_DEVICE", None)  # a TPU VM's default: torch_xla picks TPU itself
             os.environ.pop("CPU_NUM_DEVICES", None)
             os.environ.update(variables)
@@ -110,3 +122,5 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, **env: str
                 os.chdir(cwd)
     finally:
         os.close(home)
+        if made_vfio:
+            os.rmdir(VFIO)

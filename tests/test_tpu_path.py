@@ -7,6 +7,8 @@ Root only (a mount namespace); skipped elsewhere with the reason.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from IPython.core.error import UsageError
@@ -64,7 +66,7 @@ def test_ranks_are_counted_as_torch_xla_starts_them_and_an_impossible_count_is_r
         values = spawn("", SHOW).value
         assert [value[:3] for value in values] == [(r, r, 4) for r in range(4)]
         launchers = ip._xla_magic_session.host.launcher
-        with pytest.raises(UsageError, match=r"TPU_PROCESS_BOUNDS=2,2,1: torch_xla's spawn starts 4 process"
+        with pytest.raises(UsageError, match=r"TPU_PROCESS_BOUNDS=2,2,1: torch_xla's spawn starts one process per chip on 4 of them"
                                              r".*--devices can be 1 or 4, not 8"):
             spawn("--devices 8", "rank")
         assert ip._xla_magic_session.history[-1].ranks.keys() == set(range(4))  # no run was started
@@ -86,3 +88,25 @@ def test_libtpu_init_args_set_in_the_kernel_later_merge_with_torch_xlas_own_flag
         (flags,) = spawn("", read).value
     assert flags[:2] == ["--xla_tpu_enable_flash_attention=true", "--xla_mine=1"]  # the user's, and they win
     assert sorted(flags[2:]) == sorted(f for f in first if not f.startswith("--xla_tpu_enable_flash_attention"))
+
+
+def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_rank_starts(ip, spawn):
+    with fake_tpu_host(ip, "v5litepod-4", chip_files=True):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nchip = open('/dev/vfio/2')\nprint('held', flush=True)\n"
+             "time.sleep(600)", "stray-script"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            runs = len(ip._xla_magic_session.history)
+            with pytest.raises(UsageError) as refused:
+                spawn("", "rank")
+            message = " ".join(str(refused.value).split())
+            assert f"the TPU is held by another process, so no rank can open it: pid {holder.pid} (" in message
+            assert "stray-script), yours. End it (kill " + str(holder.pid) in message
+            assert "%xla_help tpu-held" in message
+            assert len(ip._xla_magic_session.history) == runs  # refused before any run started
+        finally:
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
+        assert len(spawn("", "rank").value) == 4  # freed: the ranks start

@@ -199,8 +199,9 @@ def place(backend: str, devices: int | None, sys_root: str = "/sys") -> Placemen
         )
     if count > 1 and os.environ.get("TPU_VISIBLE_CHIPS"):
         raise PlacementError(
-            f"TPU_VISIBLE_CHIPS={os.environ['TPU_VISIBLE_CHIPS']} is set, and torch_xla's spawn gives it to each "
-            f"of its {count // tpu.devices_per_chip} processes as it is, so they would all open the same chips. "
+            f"TPU_VISIBLE_CHIPS={os.environ['TPU_VISIBLE_CHIPS']} "
+            f"is set, and torch_xla's spawn gives it to each of its {count // tpu.devices_per_chip} processes as it is"
+            f", so they would all open the same chips. "
             f"Unset TPU_VISIBLE_CHIPS to run on every chip, or use --devices 1 to run on the chip it names. "
             + see("tpu-visible-chips")
         )
@@ -229,7 +230,7 @@ def spawned_devices(tpu: TpuHost) -> tuple[int, str]:
     if processes == tpu.chips:
         return tpu.devices, ""
     return processes * tpu.devices_per_chip, (
-        f" (TPU_PROCESS_BOUNDS={bounds}: torch_xla's spawn starts {processes} process(es), one per chip; "
+        f" (TPU_PROCESS_BOUNDS={bounds}: torch_xla's spawn starts one process per chip on {processes} of them; "
         f"unset it to use every chip)"
     )
 
@@ -254,3 +255,63 @@ def _place_without_chips(devices: int | None, sys_root: str) -> Placement:
             + see("no-tpu-chip-shows")
         )
     return Placement("tpu", 1)
+
+
+# What a TPU's runtime opens: /dev/accelN (v2-v4) or /dev/vfio/N (v5e and later).
+CHIP_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    command: str
+    mine: bool  # this user's
+    user: str
+
+
+def tpu_holders(exclude: set[int] = frozenset(), patterns: tuple[str, ...] = CHIP_FILES) -> list[Holder]:
+    """The processes that hold a TPU chip's device file open, from /proc/*/fd (the TPU itself is not touched)."""
+    chips = {path for pattern in patterns for path in glob.glob(pattern)}
+    if not chips:
+        return []
+    found = []
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        pid = int(fd_dir.split("/")[2])
+        if pid in exclude:
+            continue
+        try:
+            if not any(os.readlink(os.path.join(fd_dir, fd)) in chips for fd in os.listdir(fd_dir)):
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            uid = os.stat(f"/proc/{pid}").st_uid
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append(Holder(pid, command, uid == os.getuid(), _user(uid)))
+    return found
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def held_tpu(exclude: set[int] = frozenset()) -> str | None:
+    """Why ranks cannot open the TPU now (another process holds it), or None."""
+    holders = tpu_holders(exclude)
+    if not holders:
+        return None
+    named = "; ".join(
+        f"pid {h.pid} ({h.command or '?'}), {'yours' if h.mine else 'of user ' + h.user}" for h in holders
+    )
+    pids = " ".join(str(h.pid) for h in holders)
+    free = (f"End it (kill {pids}; if it is another notebook's kernel or kept pool, restart that kernel or "
+            f"run %xla_pool stop there), then run the cell again"
+            if all(h.mine for h in holders) else
+            "Ask its owner to end it (or, as root, kill it), then run the cell again")
+    return (f"the TPU is held by another process, so no rank can open it: {named}. {free}. "
+            + see("tpu-held"))

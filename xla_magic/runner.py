@@ -175,6 +175,10 @@ class Runner:
         """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
         self.release_post_mortem("new ranks started since")
         launcher = self.ready_launcher()
+        if ranks.backend == "tpu" and not ranks.placement.on_cpu:
+            held = probe.held_tpu(exclude=self._ours(launcher))
+            if held:
+                raise UsageError(f"%%xla_spawn refused: {held}")
         self.history.remember(record)
         try:
             ranks.launch(launcher, record.run_id, first)
@@ -192,6 +196,18 @@ class Runner:
                     f"interrupted while handing the cell to the launcher, before it ran{where}", {}
                 ) from None
             raise
+
+    @staticmethod
+    def _ours(launcher: Launcher) -> set[int]:
+        """The launcher and what runs below it (a kept set's ranks): xla_magic's own to manage."""
+        import psutil
+
+        ours = {launcher.pid}
+        try:
+            ours.update(child.pid for child in psutil.Process(launcher.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+        return ours
 
     def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
                  **fields: Any) -> list[Any] | None:
