@@ -110,3 +110,29 @@ def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_r
             holder.wait()
             holder.stdout.close()
         assert len(spawn("", "rank").value) == 4  # freed: the ranks start
+
+
+def test_failures_at_start_say_what_failed_in_torch_xlas_words_first(ip, spawn):
+    # no metadata server (the fake host's is GKE's variables): torch_xla's import itself fails
+    with fake_tpu_host(ip, "v5litepod-4", TPU_SKIP_MDS_QUERY=""):
+        with pytest.raises(UsageError) as failed:
+            spawn("", "rank")
+    said = str(failed.value)
+    assert "the launcher's import of torch_xla failed with" in said and "ConnectionError" in said
+    assert "metadata.google.internal" in said and "TPU_SKIP_MDS_QUERY=1" in said
+    assert "Install it there" not in said  # it is installed
+    # torch_xla without libtpu: named, with the install line, before any rank starts
+    with fake_tpu_host(ip, "v5litepod-4", libtpu=False):
+        runs = len(ip._xla_magic_session.history)
+        with pytest.raises(UsageError, match=r"found no libtpu .*one CPU process instead of 4 rank\(s\) on the TPU"
+                                             r".*pip install torch_xla\[tpu\]"):
+            spawn("", "rank")
+        assert len(ip._xla_magic_session.history) == runs
+    # PJRT_DEVICE=CPU on a TPU host: torch_xla's spawn starts one process, and the others are counted as such
+    with fake_tpu_host(ip, "v5litepod-4", PJRT_DEVICE="CPU"):
+        with pytest.raises(RankError) as fewer:
+            spawn("", "rank")
+    said = str(fewer.value)
+    assert ("torch_xla's spawn started 1 process of the 4 expected: rank(s) 1, 2, 3 never started "
+            "(torch_xla's PJRT_DEVICE in the launcher: CPU)") in said
+    assert "ended without reporting" not in said

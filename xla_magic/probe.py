@@ -315,3 +315,13 @@ def held_tpu(exclude: set[int] = frozenset()) -> str | None:
             "Ask its owner to end it (or, as root, kill it), then run the cell again")
     return (f"the TPU is held by another process, so no rank can open it: {named}. {free}. "
             + see("tpu-held"))
+
+
+def no_libtpu(launcher: dict, devices: int) -> str | None:
+    """Why torch_xla in the launcher cannot run on this host's TPU (its import found no libtpu), or None."""
+    if launcher.get("libtpu", True):
+        return None
+    return (f"torch_xla found no libtpu (the TPU's runtime), so its spawn would run one CPU process instead of "
+            f"{devices} rank(s) on the TPU. Install it in the Python that runs the ranks "
+            f"({launcher.get('python', 'the launcher')}) with pip install torch_xla[tpu] (the [tpu] extra brings "
+            f"libtpu), or set TPU_LIBRARY_PATH to a libtpu.so, then run the cell again. " + see("no-libtpu"))

@@ -176,6 +176,10 @@ class Runner:
         self.release_post_mortem("new ranks started since")
         launcher = self.ready_launcher()
         if ranks.backend == "tpu" and not ranks.placement.on_cpu:
+            without = probe.no_libtpu(launcher.info or {}, ranks.devices)
+            if without:
+                self.drop_launcher()  # the next cell's imports torch_xla again, and finds what was installed
+                raise UsageError(f"%%xla_spawn refused: {without}")
             held = probe.held_tpu(exclude=self._ours(launcher))
             if held:
                 raise UsageError(f"%%xla_spawn refused: {held}")
