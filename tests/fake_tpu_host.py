@@ -28,6 +28,7 @@ KINDS = {
     "v5litepod-8": ("0x0063", "1,1,1", "2,4,1"),
     "v5litepod-4": ("0x0063", "1,1,1", "2,2,1"),
     "v5litepod-1": ("0x0063", "1,1,1", "1,1,1"),
+    "v4-16": ("0x005e", "1,1,2", "2,2,1"),  # 2 hosts of 4 chips (set TPU_WORKER_ID, TPU_WORKER_HOSTNAMES)
 }
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -108,6 +109,8 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, chip_files
                     open(os.path.join(VFIO, str(chip)), "w").close()
             os.environ.pop("PJRT_DEVICE", None)  # a TPU VM's default: torch_xla picks TPU itself
             os.environ.pop("CPU_NUM_DEVICES", None)
+            for name in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME"):  # conftest's, for the simulation: a TPU VM has none
+                os.environ.pop(name, None)
             os.environ.update(variables)
             yield
         finally:

@@ -136,3 +136,39 @@ def test_failures_at_start_say_what_failed_in_torch_xlas_words_first(ip, spawn):
     assert ("torch_xla's spawn started 1 process of the 4 expected: rank(s) 1, 2, 3 never started "
             "(torch_xla's PJRT_DEVICE in the launcher: CPU)") in said
     assert "ended without reporting" not in said
+
+
+HOST_1_OF_V4_16 = dict(TPU_WORKER_ID="1", TPU_WORKER_HOSTNAMES="10.0.0.1,10.0.0.2")
+WORLD_HOST_1 = dict(host=1, hosts=2, rank_offset=4, world_size=8, address="127.0.0.1", store_address="10.0.0.1",
+                    store_port=29500)
+NAMES = """
+import os
+print("ordinal", rank, flush=True)
+(rank, local_rank, host, world_size, os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"])
+"""
+
+
+def host_part(ip, ordinals: str | None = None) -> tuple[list, str]:
+    """Host 1's part of a cell on a v4-16 (2 hosts of 4 chips), as its engine runs it: its values and output."""
+    from IPython.utils.capture import capture_output
+
+    from xla_magic.pools.interface import Cell
+
+    env = dict(HOST_1_OF_V4_16, **({"XLA_MAGIC_FAKE_TPU_ORDINALS": ordinals} if ordinals else {}))
+    with fake_tpu_host(ip, "v4-16", **env), capture_output() as captured:
+        cell = Cell(source=NAMES, user_ns=ip.user_ns, devices=4, backend="tpu")
+        values = ip._xla_magic_session.host.one_shot(cell, WORLD_HOST_1)
+    return values, captured.stdout
+
+
+def test_on_a_pod_slices_second_host_rank_is_the_global_ordinal_and_master_addr_host_0s(ip):
+    values, shown = host_part(ip)
+    # torch_xla's spawn calls each rank with its global ordinal (4-7 here): the cell's rank, and the kernel's tag
+    assert values == [(4 + local, local, 1, 8, "10.0.0.1", "lo") for local in range(4)]
+    for ordinal in range(4, 8):
+        assert f"[h1 r{ordinal}] ordinal {ordinal}" in shown
+
+
+def test_ordinals_not_contiguous_on_a_host_still_reach_the_cell_as_rank(ip):
+    values, _ = host_part(ip, ordinals="0,2,4,6,1,3,5,7")  # host 1's tasks 4-7 get ordinals 1, 3, 5, 7
+    assert values == [(ordinal, local, 1, 8, "10.0.0.1", "lo") for local, ordinal in enumerate((1, 3, 5, 7))]

@@ -372,7 +372,7 @@ _served_ok = False  # in a one-chip rank: what its serve() said
 
 
 def _tpu_rank(
-    index: int,
+    ordinal: int,
     ranks: list[rank_module.RankSockets],
     supervisor: socket.socket,
     serving: serve.Serving,
@@ -381,7 +381,8 @@ def _tpu_rank(
 ) -> None:
     """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel).
 
-    ``index`` is the rank on this host; on several hosts the cell's ``rank`` is the slice's global ordinal."""
+    ``ordinal`` is torch_xla's global ordinal (``runtime.global_ordinal()``): the cell's ``rank``, which is
+    not its index among this host's sockets on a pod slice's later hosts."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -390,20 +391,24 @@ def _tpu_rank(
         lifetime.become_subreaper()
         supervisor.close()  # the supervisor's alone; a cell's children must not hold it
 
+    # Its socket: its place on this host (torch_xla's local ordinal; the runtime is up, xmp.spawn's
+    # initialize_multiprocess made the device). The kernel names socket i of host h rank_offset + i, which
+    # is the ordinal where the slice numbers each host's ranks contiguously in the hosts' order, as libtpu
+    # does on the slices it knows. torch_xla does not promise that (runtime.global_ordinal); where it is
+    # not so, tags and the order of results follow the hosts' order, and ``rank`` stays the ordinal.
+    local = index = xr.local_ordinal()
+
     def setup() -> dict[str, Any]:
         device = torch_xla.device()
         world_size = xr.world_size()
-        rank = xr.global_ordinal() if world else index
         # Rank threads share their process's cache: the first to get here opens it for them all.
         compile_cache.start(f"process-{xr.process_index()}-of-{xr.process_count()}-world-{world_size}"
-                            if xr.addressable_runtime_device_count() > 1 else f"rank-{rank}-of-{world_size}")
-        strategy = strategy_module.RankStrategy(
-            rank, world_size, device, simulated=False, local_rank=xr.local_ordinal()
-        )
+                            if xr.addressable_runtime_device_count() > 1 else f"rank-{ordinal}-of-{world_size}")
+        strategy = strategy_module.RankStrategy(ordinal, world_size, device, simulated=False, local_rank=local)
         strategy_module.activate(strategy)
-        names = {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
+        names = {"rank": ordinal, "world_size": world_size, "device": device, "strategy": strategy}
         if world:
-            names.update(local_rank=index, host=world["host"])
+            names.update(local_rank=local, host=world["host"])
         return names
 
     global _served_ok
