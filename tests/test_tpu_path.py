@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 from IPython.core.error import UsageError
 
@@ -172,3 +173,23 @@ def test_on_a_pod_slices_second_host_rank_is_the_global_ordinal_and_master_addr_
 def test_ordinals_not_contiguous_on_a_host_still_reach_the_cell_as_rank(ip):
     values, _ = host_part(ip, ordinals="0,2,4,6,1,3,5,7")  # host 1's tasks 4-7 get ordinals 1, 3, 5, 7
     assert values == [(ordinal, local, 1, 8, "10.0.0.1", "lo") for local, ordinal in enumerate((1, 3, 5, 7))]
+
+
+LINGER = """
+import ctypes, os, threading, time
+if rank == 0:  # this rank's process will not exit by itself, nor die with its supervisor, nor with its group
+    ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+    os.setpgid(0, 0)
+    threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: its process waits for it
+os.getpid()
+"""
+
+
+def test_a_one_shot_cell_ends_only_once_every_rank_process_has_exited(ip, spawn):
+    """A worker that outlives its run's end (the stand-in for one slow to exit) is gone before the next cell."""
+    with fake_tpu_host(ip, "v5litepod-4"):
+        pids = spawn("", LINGER).value
+        assert len(set(pids)) == 4
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                       for pid in pids)
+        assert len(spawn("", "rank").value) == 4
