@@ -67,8 +67,8 @@ def test_ranks_are_counted_as_torch_xla_starts_them_and_an_impossible_count_is_r
         values = spawn("", SHOW).value
         assert [value[:3] for value in values] == [(r, r, 4) for r in range(4)]
         launchers = ip._xla_magic_session.host.launcher
-        with pytest.raises(UsageError, match=r"TPU_PROCESS_BOUNDS=2,2,1: torch_xla's spawn starts one process per chip on 4 of them"
-                                             r".*--devices can be 1 or 4, not 8"):
+        with pytest.raises(UsageError, match=r"TPU_PROCESS_BOUNDS=2,2,1: torch_xla's spawn starts one process per "
+                                             r"chip on 4 of them.*--devices can be 1 or 4, not 8"):
             spawn("--devices 8", "rank")
         assert ip._xla_magic_session.history[-1].ranks.keys() == set(range(4))  # no run was started
         assert ip._xla_magic_session.host.launcher is launchers

@@ -117,8 +117,7 @@ def _wrap(xlac) -> None:
         def call(*args, **kwargs):
             if not _on_tpu():
                 return real[name](*args, **kwargs)
-            real[name]  # the real client is made as before (and any of its errors raised)
-            xlac._xla_get_devices()
+            xlac._xla_get_devices()  # the real client is made as before (and any of its errors raised)
             return fake(topology(), *args, **kwargs)
         setattr(xlac, name, call)
 

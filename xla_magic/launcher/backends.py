@@ -38,7 +38,8 @@ import traceback
 from typing import Any, Callable
 
 from xla_magic.wire import protocol
-from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, place, rank as rank_module, serve, simulate, spmd
+from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, place, serve, simulate, spmd
+from xla_magic.launcher import rank as rank_module
 from xla_magic.launcher import strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
