@@ -204,6 +204,8 @@ class Launcher:
         if event.kind == protocol.READY:
             self.info = event.fields
             return self.info
+        if event.kind == protocol.FATAL and not _not_installed(event.fields):
+            raise LauncherError(import_failed(event.fields))
         if event.kind == protocol.FATAL:
             raise LauncherError(
                 f"the launcher could not import torch_xla with {self.python}: "
@@ -277,3 +279,28 @@ class Launcher:
         except OSError:
             return ""
         return f"; its log ends:\n{tail}" if tail.strip() else ""
+
+
+def _not_installed(fatal: dict[str, Any]) -> bool:
+    """Whether the launcher's import failed because torch or torch_xla is not there at all."""
+    missing = fatal.get("missing") or ""
+    return missing.split(".")[0] in ("torch", "torch_xla")
+
+
+METADATA_SERVER = "metadata.google.internal"
+
+
+def import_failed(fatal: dict[str, Any]) -> str:
+    """torch_xla is installed and its import raised: that error first, its cause, then what to do."""
+    cause = fatal.get("cause")
+    said = f"the launcher's import of torch_xla failed with {fatal['python']}: {fatal['message']}"
+    if cause and cause not in fatal["message"]:
+        said += f" (caused by {cause})"
+    if METADATA_SERVER in fatal.get("traceback", "") or "TPU metadata" in fatal["message"]:
+        return (said + f". torch_xla saw TPU chips on this host and asked the TPU VM's metadata server "
+                f"({METADATA_SERVER}) for the slice's shape, and there is none here (a container, GKE, a VM that "
+                f"is not a TPU VM). Give it the shape as GKE does: TPU_SKIP_MDS_QUERY=1 with TPU_ACCELERATOR_TYPE "
+                f"(e.g. v5litepod-8), TPU_WORKER_ID=0 and TPU_WORKER_HOSTNAMES=localhost, before the first cell. "
+                + see("tpu-metadata"))
+    return (said + ". torch_xla is installed; its import raised, and the traceback's last lines say where:\n"
+            + "".join(fatal.get("traceback", "").splitlines(keepends=True)[-6:]) + see("launcher-import-failed"))

@@ -23,7 +23,7 @@ TPU_PCI_DEVICES = {
     "0x0063": ("v5e", 1),
     "0x0062": ("v5p", 1),
     "0x006f": ("v6e", 1),
-    "0x0076": ("v7x", 1),  # as torch_xla 2.9 counts it (_internal/tpu.py): one device per chip after v3
+    "0x0076": ("v7x", 2),  # one process per chip, whose two TensorCores are two devices (threads of it)
 }
 CPU_SIMULATION_MAX = 64
 
@@ -189,14 +189,50 @@ def place(backend: str, devices: int | None, sys_root: str = "/sys") -> Placemen
     tpu = find_tpu(sys_root)
     if tpu is None:
         return _place_without_chips(devices, sys_root)
-    possible = sorted({1, tpu.devices})
-    count = tpu.devices if devices is None else devices
+    most, why = spawned_devices(tpu)
+    possible = sorted({1, most})
+    count = most if devices is None else devices
     if count not in possible:
         raise PlacementError(
-            f"{tpu.describe()}: torch_xla's spawn runs on one device or on all of them, so "
+            f"{tpu.describe()}{why}: torch_xla's spawn runs on one device or on all of them, so "
             f"--devices can be {' or '.join(map(str, possible))}, not {count}. " + see("devices-one-or-all")
         )
+    if count > 1 and os.environ.get("TPU_VISIBLE_CHIPS"):
+        raise PlacementError(
+            f"TPU_VISIBLE_CHIPS={os.environ['TPU_VISIBLE_CHIPS']} "
+            f"is set, and torch_xla's spawn gives it to each of its {count // tpu.devices_per_chip} processes as it is"
+            f", so they would all open the same chips. "
+            f"Unset TPU_VISIBLE_CHIPS to run on every chip, or use --devices 1 to run on the chip it names. "
+            + see("tpu-visible-chips")
+        )
     return Placement("tpu", count)
+
+
+def spawned_devices(tpu: TpuHost) -> tuple[int, str]:
+    """How many ranks torch_xla's spawn starts on this host, and what beyond the chips decided it.
+
+    As torch_xla's ``tpu.num_local_processes()``: one process per chip, but no more than
+    ``TPU_PROCESS_BOUNDS`` holds (an image's or a user's); each process drives its chip's devices.
+    """
+    bounds = os.environ.get("TPU_PROCESS_BOUNDS")
+    if not bounds:
+        return tpu.devices, ""
+    try:
+        size = 1
+        for dim in bounds.split(","):
+            size *= int(dim)
+    except ValueError:
+        raise PlacementError(
+            f"TPU_PROCESS_BOUNDS={bounds} is set, and torch_xla cannot read it (it wants three numbers, like "
+            f"2,2,1). Unset it to run on every chip. " + see("tpu-process-bounds")
+        ) from None
+    processes = min(tpu.chips, size)
+    if processes == tpu.chips:
+        return tpu.devices, ""
+    return processes * tpu.devices_per_chip, (
+        f" (TPU_PROCESS_BOUNDS={bounds}: torch_xla's spawn starts one process per chip on {processes} of them; "
+        f"unset it to use every chip)"
+    )
 
 
 def _place_without_chips(devices: int | None, sys_root: str) -> Placement:
@@ -219,3 +255,73 @@ def _place_without_chips(devices: int | None, sys_root: str) -> Placement:
             + see("no-tpu-chip-shows")
         )
     return Placement("tpu", 1)
+
+
+# What a TPU's runtime opens: /dev/accelN (v2-v4) or /dev/vfio/N (v5e and later).
+CHIP_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    command: str
+    mine: bool  # this user's
+    user: str
+
+
+def tpu_holders(exclude: set[int] = frozenset(), patterns: tuple[str, ...] = CHIP_FILES) -> list[Holder]:
+    """The processes that hold a TPU chip's device file open, from /proc/*/fd (the TPU itself is not touched)."""
+    chips = {path for pattern in patterns for path in glob.glob(pattern)}
+    if not chips:
+        return []
+    found = []
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        pid = int(fd_dir.split("/")[2])
+        if pid in exclude:
+            continue
+        try:
+            if not any(os.readlink(os.path.join(fd_dir, fd)) in chips for fd in os.listdir(fd_dir)):
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            uid = os.stat(f"/proc/{pid}").st_uid
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append(Holder(pid, command, uid == os.getuid(), _user(uid)))
+    return found
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def held_tpu(exclude: set[int] = frozenset()) -> str | None:
+    """Why ranks cannot open the TPU now (another process holds it), or None."""
+    holders = tpu_holders(exclude)
+    if not holders:
+        return None
+    named = "; ".join(
+        f"pid {h.pid} ({h.command or '?'}), {'yours' if h.mine else 'of user ' + h.user}" for h in holders
+    )
+    pids = " ".join(str(h.pid) for h in holders)
+    free = (f"End it (kill {pids}; if it is another notebook's kernel or kept pool, restart that kernel or "
+            f"run %xla_pool stop there), then run the cell again"
+            if all(h.mine for h in holders) else
+            "Ask its owner to end it (or, as root, kill it), then run the cell again")
+    return (f"the TPU is held by another process, so no rank can open it: {named}. {free}. "
+            + see("tpu-held"))
+
+
+def no_libtpu(launcher: dict, devices: int) -> str | None:
+    """Why torch_xla in the launcher cannot run on this host's TPU (its import found no libtpu), or None."""
+    if launcher.get("libtpu", True):
+        return None
+    return (f"torch_xla found no libtpu (the TPU's runtime), so its spawn would run one CPU process instead of "
+            f"{devices} rank(s) on the TPU. Install it in the Python that runs the ranks "
+            f"({launcher.get('python', 'the launcher')}) with pip install torch_xla[tpu] (the [tpu] extra brings "
+            f"libtpu), or set TPU_LIBRARY_PATH to a libtpu.so, then run the cell again. " + see("no-libtpu"))

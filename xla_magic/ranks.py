@@ -420,6 +420,8 @@ class Ranks:
                 self._wait_for_supervisor(STOP_WAIT)
         finally:
             self.kill()
+            if self.backend == "tpu":
+                self._end_the_runs_processes()
             self._wait_until_gone(self.supervisor_pid)
             if self.supervisor is not None:
                 self.supervisor.sock.close()
@@ -454,6 +456,22 @@ class Ranks:
                 if any(event.kind in (protocol.ENDED, protocol.BROKEN) for event in supervisor.reader.feed(data)):
                     self.ended = True
                     return
+
+    def _end_the_runs_processes(self, timeout: float = 10.0) -> None:
+        """Every process of the run (its session: the supervisor's) gone, not only the supervisor: on a TPU
+        a rank process holds its chip until it has exited, and the next cell's ranks would find it held.
+        The group's SIGKILL misses one that left the group; SIGKILL it too."""
+        if self.supervisor_pid is None:
+            return
+        left = session_members(self.supervisor_pid)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + timeout
+        for pid in left:
+            self._wait_until_gone(pid, max(0.0, deadline - time.monotonic()))
 
     @staticmethod
     def _wait_until_gone(pid: int | None, timeout: float = 2.0) -> None:
@@ -494,6 +512,19 @@ class Ranks:
             f"{self.state}: {where}, up {uptime:.0f} s, {self.cells} cell(s) run; "
             f"{processes} {pids or 'unknown'}"
         )
+
+
+def session_members(sid: int) -> list[int]:
+    """The live processes of session ``sid``, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    members.append(int(entry))
+            except OSError:
+                pass
+    return members
 
 
 def process_stopped(pid: int) -> bool:

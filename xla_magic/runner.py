@@ -176,6 +176,15 @@ class Runner:
         UsageError, Ctrl-C a RunInterrupted."""
         self.release_post_mortem("new ranks started since")
         launcher = launcher or self.ready_launcher()
+        if ranks.backend == "tpu" and not ranks.placement.on_cpu:
+            without = probe.no_libtpu(launcher.info or {}, ranks.devices)
+            if without:
+                if launcher is self.launcher:
+                    self.drop_launcher()  # the next cell's imports torch_xla again, and finds what was installed
+                raise UsageError(f"%%xla_spawn refused: {without}")
+            held = probe.held_tpu(exclude=self._ours(launcher))
+            if held:
+                raise UsageError(f"%%xla_spawn refused: {held}")
         self.history.remember(record)
         try:
             ranks.launch(launcher, record.run_id, first)
@@ -193,6 +202,18 @@ class Runner:
                     f"interrupted while handing the cell to the launcher, before it ran{where}", {}
                 ) from None
             raise
+
+    @staticmethod
+    def _ours(launcher: Launcher) -> set[int]:
+        """The launcher and what runs below it (a kept set's ranks): xla_magic's own to manage."""
+        import psutil
+
+        ours = {launcher.pid}
+        try:
+            ours.update(child.pid for child in psutil.Process(launcher.pid).children(recursive=True))
+        except psutil.Error:
+            pass
+        return ours
 
     def exchange(self, ranks: Ranks, kind: str, label: str, targets: list[int] | None, has_result: bool,
                  **fields: Any) -> list[Any] | None:

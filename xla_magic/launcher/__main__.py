@@ -67,7 +67,9 @@ def _import_runtime() -> dict[str, str]:
     shell.warm()  # each rank's IPython shell then costs milliseconds, when a cell first uses it
 
     # Plain str: torch.__version__ is a TorchVersion, whose unpickling would import torch into the kernel.
-    return {"torch": str(torch.__version__), "torch_xla": str(torch_xla.__version__)}
+    return {"torch": str(torch.__version__), "torch_xla": str(torch_xla.__version__),
+            # what torch_xla's import made of this host: the device it chose, and whether it found libtpu
+            "pjrt_device": os.environ.get("PJRT_DEVICE"), "libtpu": bool(getattr(torch_xla, "_found_libtpu", True))}
 
 
 def serve(channel: protocol.Channel) -> None:
@@ -113,9 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         versions = import_runtime()
     except BaseException as exc:
+        cause = exc.__cause__ or exc.__context__
         channel.send(
             protocol.FATAL,
             message=f"{type(exc).__name__}: {exc}",
+            # not installed (ModuleNotFoundError for it), or installed and its import raised
+            missing=exc.name if isinstance(exc, ModuleNotFoundError) else None,
+            cause=f"{type(cause).__name__}: {cause}" if cause is not None else None,
             traceback=traceback.format_exc(),
             python=sys.executable,
         )

@@ -13,8 +13,11 @@ until the kernel closes their sockets); see serve.Serving.
 
 - cpu: one forked process per rank, each with a single XLA CPU device
   (PJRT_DEVICE=CPU), joined in a gloo process group on loopback.
-- tpu: torch_xla's ``xmp.spawn(..., start_method="fork")``. With
-  PJRT_DEVICE=CPU it runs the same code path as CPU_NUM_DEVICES threads.
+- tpu: torch_xla's ``xmp.spawn(..., start_method="fork")``, one process per
+  chip, each calling the rank with its global ordinal. One chip: a forked
+  process of its own runs torch_xla's ``nprocs=1`` layout (which runs the
+  rank in the calling process). With PJRT_DEVICE=CPU it runs the same code
+  path as CPU_NUM_DEVICES threads.
 - SPMD (a job with ``spmd``, on either backend): one forked process that
   owns every device, with spmd.environment() applied before the runtime
   starts and spmd.setup() for its names; no xmp.spawn.
@@ -35,7 +38,8 @@ import traceback
 from typing import Any, Callable
 
 from xla_magic.wire import protocol
-from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, rank as rank_module, serve, simulate, spmd
+from xla_magic.launcher import capture, compile_cache, interrupt, lifetime, place, serve, simulate, spmd
+from xla_magic.launcher import rank as rank_module
 from xla_magic.launcher import strategy as strategy_module
 
 # Left behind by Colab and Kaggle notebook images; with them set, the runtime
@@ -106,7 +110,9 @@ def _apply_environment(changes: dict[str, Any]) -> None:
     of its own in the launcher, and they stay."""
     for name in changes["unset"]:
         os.environ.pop(name, None)
-    os.environ.update(changes["set"])
+    for name, value in changes["set"].items():
+        os.environ[name] = place.merge_flags(value, os.environ.get(name, "")) if name in place.FLAG_VARIABLES else value
+
 
 
 # matplotlib's backend in ranks, as ipykernel sets it in a notebook: figures
@@ -314,13 +320,20 @@ def run_tpu(
     here: torch_xla reads it from the TPU VM's metadata (or GKE's TPU_WORKER_* variables) itself."""
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    _rank_environment()
+    if not cpu_threads and len(ranks) == 1:
+        # One chip: torch_xla's nprocs=1 runs the function in the calling process, which must not be
+        # this one (the rank's fate, a SIGKILL or the interrupt's SIGTERM, would be the supervisor's).
+        supervisor_pid = os.getpid()
+        _fork_and_wait(ranks, supervisor, lambda rank: _one_chip(ranks, supervisor, serving, run_id, world,
+                                                                 supervisor_pid))
+        return
+    _rank_environment(world)
     if cpu_threads:
         os.environ["PJRT_DEVICE"] = "CPU"
         os.environ["CPU_NUM_DEVICES"] = str(len(ranks))
         nprocs = None
     else:
-        nprocs = 1 if len(ranks) == 1 else None
+        nprocs = None
     # xmp.spawn's worker processes are forked from here and inherit this handler
     # instead of the supervisor's SIG_IGN; the ranks are their threads. They
     # must also die of SIGTERM, and only the main thread can say so: here.
@@ -340,8 +353,27 @@ def run_tpu(
     supervisor.send(protocol.ENDED, error=error)
 
 
+def _one_chip(ranks: list[rank_module.RankSockets], supervisor: protocol.Channel, serving: serve.Serving,
+              run_id: int, world: protocol.World | None, supervisor_pid: int) -> None:
+    """The one rank on one chip: a process of its own, where torch_xla's nprocs=1 layout runs it; never returns."""
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    code = 1
+    try:
+        _forked_rank(0, ranks, supervisor, supervisor_pid, world)
+        interrupt.install_handler()
+        xmp.spawn(_tpu_rank, args=(ranks, supervisor.sock, serving, run_id, world), nprocs=1)
+        code = 0 if _served_ok else 1
+    finally:
+        lifetime.flush_c_stdio()
+        os._exit(code)
+
+
+_served_ok = False  # in a one-chip rank: what its serve() said
+
+
 def _tpu_rank(
-    index: int,
+    ordinal: int,
     ranks: list[rank_module.RankSockets],
     supervisor: socket.socket,
     serving: serve.Serving,
@@ -350,7 +382,8 @@ def _tpu_rank(
 ) -> None:
     """Called by xmp.spawn in each rank, process or thread (its arguments are pickled, so no Channel).
 
-    ``index`` is the rank on this host; on several hosts the cell's ``rank`` is the slice's global ordinal."""
+    ``ordinal`` is torch_xla's global ordinal (``runtime.global_ordinal()``): the cell's ``rank``, which is
+    not its index among this host's sockets on a pod slice's later hosts."""
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -359,21 +392,26 @@ def _tpu_rank(
         lifetime.become_subreaper()
         supervisor.close()  # the supervisor's alone; a cell's children must not hold it
 
+    # Its socket: its place on this host (torch_xla's local ordinal; the runtime is up, xmp.spawn's
+    # initialize_multiprocess made the device). The kernel names socket i of host h rank_offset + i, which
+    # is the ordinal where the slice numbers each host's ranks contiguously in the hosts' order, as libtpu
+    # does on the slices it knows. torch_xla does not promise that (runtime.global_ordinal); where it is
+    # not so, tags and the order of results follow the hosts' order, and ``rank`` stays the ordinal.
+    local = index = xr.local_ordinal()
+
     def setup() -> dict[str, Any]:
         device = torch_xla.device()
         world_size = xr.world_size()
-        rank = xr.global_ordinal() if world else index
         # Rank threads share their process's cache: the first to get here opens it for them all.
         compile_cache.start(f"process-{xr.process_index()}-of-{xr.process_count()}-world-{world_size}"
-                            if xr.addressable_runtime_device_count() > 1 else f"rank-{rank}-of-{world_size}")
-        strategy = strategy_module.RankStrategy(
-            rank, world_size, device, simulated=False, local_rank=xr.local_ordinal()
-        )
+                            if xr.addressable_runtime_device_count() > 1 else f"rank-{ordinal}-of-{world_size}")
+        strategy = strategy_module.RankStrategy(ordinal, world_size, device, simulated=False, local_rank=local)
         strategy_module.activate(strategy)
-        names = {"rank": rank, "world_size": world_size, "device": device, "strategy": strategy}
+        names = {"rank": ordinal, "world_size": world_size, "device": device, "strategy": strategy}
         if world:
-            names.update(local_rank=index, host=world["host"])
+            names.update(local_rank=local, host=world["host"])
         return names
 
-    serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
+    global _served_ok
+    _served_ok = serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
     lifetime.flush_c_stdio()

@@ -66,8 +66,27 @@ def _set_environment(changes: dict[str, Any]) -> None:
 def _put(name: str, value: str | None) -> None:
     if value is None:
         os.environ.pop(name, None)
+    elif name in FLAG_VARIABLES:
+        os.environ[name] = merge_flags(value, _env_before.get(name) or "")
     else:
         os.environ[name] = value
+
+
+# Flags torch_xla's import merges its own into (LIBTPU_INIT_ARGS only where it found chips): a
+# later value from the kernel is merged the same way, its own flags first and winning.
+FLAG_VARIABLES = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
+
+
+def merge_flags(given: str, here: str) -> str:
+    """``given``'s flags, then each of ``here``'s whose name ``given`` does not set (torch_xla's
+    ``_set_missing_flags``, with the launcher's value as the defaults)."""
+    def name(flag: str) -> str:
+        return flag.split("=", 1)[0].lstrip("-")
+
+    flags = given.split()
+    named = {name(flag) for flag in flags}
+    flags += [flag for flag in here.split() if name(flag) not in named]
+    return " ".join(flags)
 
 
 def _set_path(kernel: list[str]) -> None:

@@ -38,6 +38,7 @@ from xla_magic.pools.policy import RESTART_HINT
 from xla_magic.ranks import Conn, Ranks, describe_exit
 from xla_magic.record import RankState, RunRecord
 from xla_magic.run.watch import Watch
+from xla_magic.troubleshooting import see
 from xla_magic.wire import protocol, result_memory
 
 FAIL_GRACE = 0.5  # after a rank fails, how long to collect the others' errors
@@ -342,9 +343,22 @@ class Request:
                 self.fail(rank, "RankDied", f"{self.ranks.name(rank)}'s process ended during the cell: {cause}")
             elif self.launch_error and code is None:
                 self.fail(rank, "LaunchError", "the ranks could not be started", self.launch_error)
+            elif code is None and rank not in self.ranks.pids and self.ranks.backend == "tpu":
+                self.fail(rank, "NotStarted", self._never_started())
             else:
                 self.fail(rank, "RankDied", f"{self.ranks.name(rank)} ended without reporting: {describe_exit(code)}",
                            exit_code=code)
+
+    def _never_started(self) -> str:
+        """The tpu path's ranks that torch_xla's spawn did not start: how many it did, and what it went by."""
+        started = len(set(self.ranks.pids.values()))
+        missing = [rank for rank in self.targets if rank not in self.ranks.pids]
+        info = (self.ranks.launcher.info or {}) if self.ranks.launcher is not None else {}
+        device = f" (torch_xla's PJRT_DEVICE in the launcher: {info['pjrt_device']})" if info.get("pjrt_device") else ""
+        return (f"torch_xla's spawn started {started} process{'' if started == 1 else 'es'} of the "
+                f"{len(self.targets)} expected: rank(s) {', '.join(map(str, missing))} never started{device}; "
+                f"torch_xla counts the processes itself, from the chips, PJRT_DEVICE and TPU_PROCESS_BOUNDS. "
+                + see("spawn-started-fewer"))
 
     # -- stopping --------------------------------------------------------
 

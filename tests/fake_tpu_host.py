@@ -1,0 +1,129 @@
+"""A fake TPU host for the tests of torch_xla's real TPU path (test_tpu_path.py); root only.
+
+The test's own process (the shell that runs the cells, as a kernel does) enters a mount namespace
+of its own for the test, where a tmpfs over ``/sys/bus/pci/devices`` holds the fake chips' PCI ids
+(what the kernel's probe and torch_xla both read), and leaves it afterwards: the namespace goes
+with the last process in it, so nothing is left on the machine. The launcher the kernel starts in
+there (and every supervisor and rank below it) inherits the namespace and the slice's metadata as
+GKE's variables, and loads tests/fake_tpu/fake_libtpu.py (libtpu's place; its docstring says what is
+fake and why there) through tests/fake_tpu/sitecustomize.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from typing import Iterator
+
+import pytest
+
+FAKE_TPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_tpu")
+CLONE_NEWNS, CLONE_FS = 0x00020000, 0x00000200
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+VFIO = "/dev/vfio"
+
+# accelerator type -> (PCI device id, GKE's TPU_HOST_BOUNDS, TPU_CHIPS_PER_HOST_BOUNDS)
+KINDS = {
+    "v5litepod-8": ("0x0063", "1,1,1", "2,4,1"),
+    "v5litepod-4": ("0x0063", "1,1,1", "2,2,1"),
+    "v5litepod-1": ("0x0063", "1,1,1", "1,1,1"),
+    "v4-16": ("0x005e", "1,1,2", "2,2,1"),  # 2 hosts of 4 chips (set TPU_WORKER_ID, TPU_WORKER_HOSTNAMES)
+}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def refused() -> str | None:
+    """Why this machine cannot fake a TPU host, or None."""
+    if os.geteuid() != 0:
+        return "a fake TPU host needs root (a mount namespace over /sys/bus/pci)"
+    if not os.path.isdir("/sys/bus/pci/devices"):
+        return "no /sys/bus/pci/devices to mount over"
+    return None
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _drop_launcher(ip) -> None:
+    """The kernel's launcher lives in the mount namespace it started in: a new one starts where it is next."""
+    session = getattr(ip, "_xla_magic_session", None)
+    if session is not None:
+        session.host.drop_launcher()
+
+
+@contextlib.contextmanager
+def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, chip_files: bool = False,
+                  **env: str) -> Iterator[None]:
+    """This process (and what it starts) on a TPU host of ``kind``, until the block ends.
+
+    ``chip_files``: the chips' device files too, /dev/vfio/N (plain files on a tmpfs of the namespace's;
+    /dev/vfio is made for it where the machine has none, and removed afterwards)."""
+    reason = refused()
+    if reason:
+        pytest.skip(reason)
+    device_id, host_bounds, chips_bounds = KINDS[kind]
+    chips = 1
+    for dim in chips_bounds.split(","):
+        chips *= int(dim)
+    variables = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [FAKE_TPU_DIR, os.environ.get("PYTHONPATH")])),
+        "XLA_MAGIC_FAKE_TPU": "1",
+        # GKE's: torch_xla reads the slice's metadata from these instead of asking the metadata server
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": kind,
+        "TPU_WORKER_ID": "0",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_HOST_BOUNDS": host_bounds,
+        "TPU_CHIPS_PER_HOST_BOUNDS": chips_bounds,
+        **env,
+    }
+    if libtpu:
+        variables["TPU_LIBRARY_PATH"] = os.path.join(FAKE_TPU_DIR, "fake_libtpu.py")
+    saved = dict(os.environ)
+    cwd = os.getcwd()
+    _drop_launcher(ip)
+    made_vfio = chip_files and not os.path.isdir(VFIO)
+    if made_vfio:
+        os.mkdir(VFIO)
+    home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+    try:
+        _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        try:
+            _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+            _check(_libc.mount(b"fake-pci", b"/sys/bus/pci/devices", b"tmpfs", 0, None), "mount tmpfs")
+            for chip in range(chips):
+                path = f"/sys/bus/pci/devices/0000:00:{4 + chip:02x}.0"
+                os.mkdir(path)
+                with open(os.path.join(path, "vendor"), "w") as file:
+                    file.write("0x1ae0\n")
+                with open(os.path.join(path, "device"), "w") as file:
+                    file.write(device_id + "\n")
+            if chip_files:
+                _check(_libc.mount(b"fake-vfio", VFIO.encode(), b"tmpfs", 0, None), "mount tmpfs")
+                for chip in range(chips):
+                    open(os.path.join(VFIO, str(chip)), "w").close()
+            os.environ.pop("PJRT_DEVICE", None)  # a TPU VM's default: torch_xla picks TPU itself
+            os.environ.pop("CPU_NUM_DEVICES", None)
+            for name in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME"):  # conftest's, for the simulation: a TPU VM has none
+                os.environ.pop(name, None)
+            os.environ.update(variables)
+            yield
+        finally:
+            try:
+                _drop_launcher(ip)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+                # Threads started meanwhile share this thread's filesystem context, and setns wants it alone.
+                _check(_libc.unshare(CLONE_FS), "unshare(CLONE_FS)")
+                _check(_libc.setns(home, CLONE_NEWNS), "setns back")
+                os.chdir(cwd)
+    finally:
+        os.close(home)
+        if made_vfio:
+            os.rmdir(VFIO)

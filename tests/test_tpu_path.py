@@ -1,0 +1,195 @@
+"""torch_xla's real multi-process TPU path, on a fake TPU host (fake_tpu_host.py): only the chips'
+PCI ids, the slice's metadata and libtpu's device runtime are faked (tests/fake_tpu/fake_libtpu.py).
+
+Root only (a mount namespace); skipped elsewhere with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from fake_tpu_host import fake_tpu_host
+from helpers import assert_nothing_left, interrupt_once_shown
+from xla_magic.display import RankError, RunInterrupted
+
+SHOW = """
+import os, torch, torch_xla.runtime as xr
+(rank, xr.global_ordinal(), xr.world_size(), os.environ["TPU_VISIBLE_CHIPS"], os.getpid(),
+ (torch.ones(2, device=device) * rank).cpu().tolist())
+"""
+
+
+def test_v5e_8_runs_one_process_per_chip_with_ordinals_0_to_7_and_results_in_order(ip, spawn):
+    with fake_tpu_host(ip, "v5litepod-8"):
+        run = spawn("--devices 8", SHOW)
+    values = run.value
+    assert [value[:4] for value in values] == [(r, r, 8, str(r)) for r in range(8)]
+    assert len({value[4] for value in values}) == 8  # one process per chip
+    assert os.getpid() not in {value[4] for value in values}
+    assert [value[5] for value in values] == [[float(r)] * 2 for r in range(8)]
+
+
+def test_v5e_1_runs_the_rank_in_a_process_of_its_own_that_can_fail_die_and_be_debugged(ip, spawn):
+    session = ip._xla_magic_session
+    with fake_tpu_host(ip, "v5litepod-1"):
+        (value,) = spawn("", SHOW).value
+        assert value[:4] == (0, 0, 1, "0")  # torch_xla's one-chip layout: TPU_VISIBLE_CHIPS=0
+        # killed as a rank is, the supervisor reports it as with 8 chips
+        with pytest.raises(RankError, match="SIGKILL"):
+            spawn("", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+        # a failure keeps the rank for %debug, in its own process
+        with pytest.raises(RankError, match="ZeroDivisionError"):
+            spawn("", "x = 1\nx / 0")
+        post_mortem = session.post_mortem
+        assert post_mortem is not None and list(post_mortem.debuggable) == [0]
+        assert post_mortem.ranks.pids[0] not in (os.getpid(), post_mortem.ranks.supervisor_pid)
+        session.release_post_mortem()
+        # an interrupt whose SIGTERM the rank ignores ends in SIGKILL, for the rank alone
+        sent = interrupt_once_shown("deaf", 1)
+        cell = ("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('deaf', flush=True)\ntime.sleep(600)")
+        with pytest.raises(RunInterrupted):
+            spawn("", cell)
+        assert sent.is_set()
+        assert {s.state for s in session.history[-1].ranks.values()} == {"killed"}
+        assert spawn("", "rank + 1").value == [1]
+        assert_nothing_left(ip)
+
+
+def test_ranks_are_counted_as_torch_xla_starts_them_and_an_impossible_count_is_refused_before_start(ip, spawn):
+    with fake_tpu_host(ip, "v5litepod-8", TPU_PROCESS_BOUNDS="2,2,1"):  # set by the image
+        values = spawn("", SHOW).value
+        assert [value[:3] for value in values] == [(r, r, 4) for r in range(4)]
+        launchers = ip._xla_magic_session.host.launcher
+        with pytest.raises(UsageError, match=r"TPU_PROCESS_BOUNDS=2,2,1: torch_xla's spawn starts one process per "
+                                             r"chip on 4 of them.*--devices can be 1 or 4, not 8"):
+            spawn("--devices 8", "rank")
+        assert ip._xla_magic_session.history[-1].ranks.keys() == set(range(4))  # no run was started
+        assert ip._xla_magic_session.host.launcher is launchers
+    with fake_tpu_host(ip, "v5litepod-8", TPU_VISIBLE_CHIPS="3"):
+        with pytest.raises(UsageError, match="TPU_VISIBLE_CHIPS=3 is set.*--devices 1"):
+            spawn("", "rank")
+        (value,) = spawn("--devices 1", SHOW).value
+        assert value[:4] == (0, 0, 1, "3")  # torch_xla's one-chip layout keeps the user's chip
+
+
+def test_libtpu_init_args_set_in_the_kernel_later_merge_with_torch_xlas_own_flags(ip, spawn):
+    read = 'import os\nos.environ["LIBTPU_INIT_ARGS"].split()'
+    with fake_tpu_host(ip, "v5litepod-1"):
+        (first,) = spawn("", read).value  # the launcher's torch_xla merged its flags in at import
+        assert "--xla_tpu_use_enhanced_launch_barrier=false" in first
+        assert "--xla_tpu_enable_flash_attention=false" in first
+        os.environ["LIBTPU_INIT_ARGS"] = "--xla_tpu_enable_flash_attention=true --xla_mine=1"
+        (flags,) = spawn("", read).value
+    assert flags[:2] == ["--xla_tpu_enable_flash_attention=true", "--xla_mine=1"]  # the user's, and they win
+    assert sorted(flags[2:]) == sorted(f for f in first if not f.startswith("--xla_tpu_enable_flash_attention"))
+
+
+def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_rank_starts(ip, spawn):
+    with fake_tpu_host(ip, "v5litepod-4", chip_files=True):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nchip = open('/dev/vfio/2')\nprint('held', flush=True)\n"
+             "time.sleep(600)", "stray-script"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            runs = len(ip._xla_magic_session.history)
+            with pytest.raises(UsageError) as refused:
+                spawn("", "rank")
+            message = " ".join(str(refused.value).split())
+            assert f"the TPU is held by another process, so no rank can open it: pid {holder.pid} (" in message
+            assert "stray-script), yours. End it (kill " + str(holder.pid) in message
+            assert "%xla_help tpu-held" in message
+            assert len(ip._xla_magic_session.history) == runs  # refused before any run started
+        finally:
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
+        assert len(spawn("", "rank").value) == 4  # freed: the ranks start
+
+
+def test_failures_at_start_say_what_failed_in_torch_xlas_words_first(ip, spawn):
+    # no metadata server (the fake host's is GKE's variables): torch_xla's import itself fails
+    with fake_tpu_host(ip, "v5litepod-4", TPU_SKIP_MDS_QUERY=""):
+        with pytest.raises(UsageError) as failed:
+            spawn("", "rank")
+    said = str(failed.value)
+    assert "the launcher's import of torch_xla failed with" in said and "ConnectionError" in said
+    assert "metadata.google.internal" in said and "TPU_SKIP_MDS_QUERY=1" in said
+    assert "Install it there" not in said  # it is installed
+    # torch_xla without libtpu: named, with the install line, before any rank starts
+    with fake_tpu_host(ip, "v5litepod-4", libtpu=False):
+        runs = len(ip._xla_magic_session.history)
+        with pytest.raises(UsageError, match=r"found no libtpu .*one CPU process instead of 4 rank\(s\) on the TPU"
+                                             r".*pip install torch_xla\[tpu\]"):
+            spawn("", "rank")
+        assert len(ip._xla_magic_session.history) == runs
+    # PJRT_DEVICE=CPU on a TPU host: torch_xla's spawn starts one process, and the others are counted as such
+    with fake_tpu_host(ip, "v5litepod-4", PJRT_DEVICE="CPU"):
+        with pytest.raises(RankError) as fewer:
+            spawn("", "rank")
+    said = str(fewer.value)
+    assert ("torch_xla's spawn started 1 process of the 4 expected: rank(s) 1, 2, 3 never started "
+            "(torch_xla's PJRT_DEVICE in the launcher: CPU)") in said
+    assert "ended without reporting" not in said
+
+
+HOST_1_OF_V4_16 = dict(TPU_WORKER_ID="1", TPU_WORKER_HOSTNAMES="10.0.0.1,10.0.0.2")
+WORLD_HOST_1 = dict(host=1, hosts=2, rank_offset=4, world_size=8, address="127.0.0.1", store_address="10.0.0.1",
+                    store_port=29500)
+NAMES = """
+import os
+print("ordinal", rank, flush=True)
+(rank, local_rank, host, world_size, os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"])
+"""
+
+
+def host_part(ip, ordinals: str | None = None) -> tuple[list, str]:
+    """Host 1's part of a cell on a v4-16 (2 hosts of 4 chips), as its engine runs it: its values and output."""
+    from IPython.utils.capture import capture_output
+
+    from xla_magic.pools.interface import Cell
+
+    env = dict(HOST_1_OF_V4_16, **({"XLA_MAGIC_FAKE_TPU_ORDINALS": ordinals} if ordinals else {}))
+    with fake_tpu_host(ip, "v4-16", **env), capture_output() as captured:
+        cell = Cell(source=NAMES, user_ns=ip.user_ns, devices=4, backend="tpu")
+        values = ip._xla_magic_session.host.one_shot(cell, WORLD_HOST_1)
+    return values, captured.stdout
+
+
+def test_on_a_pod_slices_second_host_rank_is_the_global_ordinal_and_master_addr_host_0s(ip):
+    values, shown = host_part(ip)
+    # torch_xla's spawn calls each rank with its global ordinal (4-7 here): the cell's rank, and the kernel's tag
+    assert values == [(4 + local, local, 1, 8, "10.0.0.1", "lo") for local in range(4)]
+    for ordinal in range(4, 8):
+        assert f"[h1 r{ordinal}] ordinal {ordinal}" in shown
+
+
+def test_ordinals_not_contiguous_on_a_host_still_reach_the_cell_as_rank(ip):
+    values, _ = host_part(ip, ordinals="0,2,4,6,1,3,5,7")  # host 1's tasks 4-7 get ordinals 1, 3, 5, 7
+    assert values == [(ordinal, local, 1, 8, "10.0.0.1", "lo") for local, ordinal in enumerate((1, 3, 5, 7))]
+
+
+LINGER = """
+import ctypes, os, threading, time
+if rank == 0:  # this rank's process will not exit by itself, nor die with its supervisor, nor with its group
+    ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+    os.setpgid(0, 0)
+    threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: its process waits for it
+os.getpid()
+"""
+
+
+def test_a_one_shot_cell_ends_only_once_every_rank_process_has_exited(ip, spawn):
+    """A worker that outlives its run's end (the stand-in for one slow to exit) is gone before the next cell."""
+    with fake_tpu_host(ip, "v5litepod-4"):
+        pids = spawn("", LINGER).value
+        assert len(set(pids)) == 4
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                       for pid in pids)
+        assert len(spawn("", "rank").value) == 4
