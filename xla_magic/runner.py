@@ -108,7 +108,7 @@ class Runner:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         self.release_post_mortem("another cell ran since")  # before it starts: a kept one-shot set may hold the devices
         profile_view.wait_drawn()  # the last cell's profile, filled in once its ranks' digests came, comes first
-        run_id = self.history.next_run_id()
+        run_id = cell.run_id or self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
         filename = f"<xla_spawn cell {run_id}>"
@@ -136,7 +136,7 @@ class Runner:
             draws = cell.profile and ranks.world is None
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
-                              live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask, tells_digest=not draws)
+                              live_lines=cell.live_lines, hang_after=hang_after, ask=cell.ask or self.ask, tells_digest=not draws)
             if launching:
                 self.launch(ranks, record, first=frame)
             else:
