@@ -277,8 +277,6 @@ def test_bad_input_is_a_usage_error_that_says_what_to_do(nb):
     assert "UsageError: a run's id is its number" in text
     _, text = nb.run("%xla_run wait")
     assert "UsageError: %xla_run wait needs the run's id" in text
-    _, text = nb.run("%%xla_spawn --bg --fresh\nrank")
-    assert "UsageError: --bg runs a cell in a pool on this host" in text and "leave out --fresh" in text
     _, text = nb.run("%%xla_spawn --after --fresh\nrank")
     assert "UsageError: --after waits for the pool's background run" in text
     _, text = nb.run("%%xla_spawn --bg\nrank +")
@@ -286,3 +284,22 @@ def test_bad_input_is_a_usage_error_that_says_what_to_do(nb):
     _, text = nb.run("%%xla_spawn --bg --timeout 60 -o run\nrank")
     _, text = nb.run("print(run.wait())")
     assert text == "[0, 1]\n"
+
+
+def test_background_cells_in_new_ranks_one_per_device_and_spmd(nb):
+    started, shown = nb.run("%%xla_spawn --bg --fresh --devices 2 -o run\nprint('fresh', rank, flush=True)\n"
+                            "rank + 7")
+    assert "running 0.0 s on 2 ranks>" in shown, shown
+    _, text = nb.run("print(run.wait())")
+    assert text == "[7, 8]\n"
+    _, listing = nb.run("%xla_runs")
+    assert "2 new ranks" in listing
+    nb.read_until(lambda: "ended after" in nb.under(started))
+    assert "[rank 0] fresh 0" in nb.under(started, True)
+    started, shown = nb.run("%%xla_spawn --bg --fresh --spmd --devices 2 -o run\nprint('mesh', world_size)\n"
+                            "world_size * 10")
+    assert "on 1 rank>" in shown, shown
+    _, text = nb.run("print(run.wait())")
+    assert text == "20\n"
+    nb.read_until(lambda: "ended after" in nb.under(started))
+    assert "[spmd] mesh 2" in nb.under(started, True)

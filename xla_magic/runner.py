@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from typing import Any, Mapping
 
 from IPython.core.error import UsageError
@@ -65,6 +66,8 @@ class Runner:
         self.post_mortem: Any = None  # what %debug opens, until the next cell (PostMortem, or HostsPostMortem)
         self.let_go: Any = None  # the last one let go, to say why %xla_debug has none
         self.ask: rank_input.Ask | None = None  # how its ranks' questions are asked (None: the kernel's own input)
+        # One job handed to the launcher at a time: a background run's thread may launch beside the kernel's cell.
+        self.launching = threading.Lock()
 
     # -- the launcher ------------------------------------------------------
 
@@ -174,6 +177,10 @@ class Runner:
     def launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
         """Start the ranks' job; launcher trouble becomes a UsageError, Ctrl-C a RunInterrupted."""
         self.release_post_mortem("new ranks started since")
+        with self.launching:
+            self._launch(ranks, record, first)
+
+    def _launch(self, ranks: Ranks, record: RunRecord, first: bytes | None) -> None:
         launcher = self.ready_launcher()
         self.history.remember(record)
         try:

@@ -20,6 +20,7 @@ from xla_magic import payload, sharding
 from xla_magic.run import watch
 from xla_magic.compile_cache import CacheSetting
 from xla_magic.history import History
+from xla_magic.pools import admission
 from xla_magic.pools.across_hosts import HostsPool
 from xla_magic.pools.this_host import LocalPool
 from xla_magic.pools.interface import Cell, Pool, PoolOptions
@@ -107,19 +108,26 @@ class Session:
 
     def _in_background(self, request: Cell, pool: Pool | None, shell: Any) -> BackgroundRun:
         """``%%xla_spawn --bg``: checked here and now, then run by a thread of the kernel (runs/background.py)."""
-        if pool is None or request.fresh or not isinstance(pool, LocalPool):
-            raise UsageError("--bg runs a cell in a pool on this host, which keeps its ranks for the cells after: "
-                             + ("start one with %xla_pool start [--devices N] first" if pool is None else
-                                "leave out --fresh" if request.fresh else
-                                "a pool across hosts runs its cells in the foreground; leave --bg out"))
+        if pool is not None and not isinstance(pool, LocalPool):
+            raise UsageError("--bg runs a cell in a pool on this host or in new ranks; a pool across hosts runs its "
+                             "cells in the foreground: leave --bg out")
         payload.analyse(request.source, "<xla_spawn cell>")  # its SyntaxError now, under this cell
-        pool.admit(request)
+        held = pool if pool is not None and not request.fresh else None
+        if held is not None:
+            held.admit(request)
+            size = held.world_size
+        else:
+            if pool is not None:
+                admission.check_fresh_allowed(pool.ranks)
+            placement = plan(request.backend, request.devices, "%%xla_spawn", request.spmd)
+            size = 1 if request.spmd is not None else placement.devices
         run_id = self.runs.next_run_id()
 
         def work(ask: Any) -> Any:
-            return pool.run_admitted(dataclasses.replace(request, run_id=run_id, ask=ask))
+            cell = dataclasses.replace(request, run_id=run_id, ask=ask)
+            return held.run_admitted(cell) if held is not None else self.host.one_shot(cell)
 
-        return self.background.start(request.source, pool, work, shell, run_id)
+        return self.background.start(request.source, held, size, work, shell, run_id)
 
     # -- the pool ------------------------------------------------------------
 

@@ -44,15 +44,15 @@ def first_line(cell: str, width: int = 40) -> str:
 class BackgroundRun:
     """A cell running in the background: ``done()``, ``wait()``, ``results``, ``error``, ``stop()``, ``show()``."""
 
-    def __init__(self, runs: Runs, run_id: int, cell: str, pool: Any, work: Callable[[Any], Any],
+    def __init__(self, runs: Runs, run_id: int, cell: str, pool: Any, size: int, work: Callable[[Any], Any],
                  parent: dict[str, Any] | None, shell: Any) -> None:
         self.runs = runs
         self.id = run_id
         self.cell = cell
-        self.pool = pool
-        self.pool_text = (f"pool of {pool.world_size} rank{'s' if pool.world_size != 1 else ''}"
-                          if pool is not None else "one-shot ranks")
-        self.size = pool.world_size if pool is not None else 0
+        self.pool = pool  # the pool it holds; None: ranks spawned for it alone
+        plural = "s" if size != 1 else ""
+        self.pool_text = f"pool of {size} rank{plural}" if pool is not None else f"{size} new rank{plural}"
+        self.size = size
         self.started = time.time()
         self.duration: float | None = None
         self.state = "running"
@@ -218,7 +218,7 @@ class BackgroundRun:
                 if not self.done() else f"stopped; run {self.id} has ended ({self.state})")
 
     def __repr__(self) -> str:
-        ranks = f"{self.size} rank{'s' if self.size != 1 else ''}" if self.size else "its ranks"
+        ranks = f"{self.size} rank{'s' if self.size != 1 else ''}"
         last = f"; last: {self.last_line}" if self.last_line else ""
         return (f"<run {self.id} ({first_line(self.cell)}): {self.state} {self.seconds:.1f} s on {ranks}"
                 f"{last}>")
@@ -281,11 +281,12 @@ class Runs:
         self._directory = path
         return path
 
-    def start(self, cell: str, pool: Any, work: Callable[[Any], Any], shell: Any,
+    def start(self, cell: str, pool: Any, size: int, work: Callable[[Any], Any], shell: Any,
               run_id: int) -> BackgroundRun:
+        """A run of ``cell`` in ``pool`` (None: in new ranks) on ``size`` ranks, by ``work(ask)`` in a thread."""
         self.shell = shell
         parent = _parent_header(shell)
-        run = BackgroundRun(self, run_id, cell, pool, work, parent, shell)
+        run = BackgroundRun(self, run_id, cell, pool, size, work, parent, shell)
         self.runs[run_id] = run
         self._forget_old()
         run.start()
