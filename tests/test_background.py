@@ -303,3 +303,22 @@ def test_background_cells_in_new_ranks_one_per_device_and_spmd(nb):
     assert text == "20\n"
     nb.read_until(lambda: "ended after" in nb.under(started))
     assert "[spmd] mesh 2" in nb.under(started, True)
+
+
+def test_a_background_runs_displays_and_profile_come_under_its_cell_and_into_its_log(nb):
+    started, _ = nb.run("%%xla_spawn --bg --profile -o run\nfrom IPython.display import display\n"
+                        "display({'text/plain': f'shown by {rank}'}, raw=True)\nrank")
+    _, text = nb.run("print(run.wait())")
+    assert text == "[0, 1]\n"
+
+    def profile_under_it() -> list:
+        return [m for m in nb.messages if m["parent_header"].get("msg_id") == started
+                and m["msg_type"] in ("display_data", "update_display_data")
+                and m["content"]["data"].get("text/plain", "").startswith("Profile of run ")]
+
+    nb.read_until(profile_under_it)  # filled in once the ranks read their traces: under the run's own cell
+    under = nb.under(started)
+    assert "[rank 0]\nshown by 0" in under and "[rank 1]\nshown by 1" in under  # each under its rank's label
+    _, path = nb.run("print(run.path)")
+    logged = [entry["display"]["text/plain"] for entry in run_log.read(path.strip()) if "display" in entry]
+    assert "shown by 0" in logged and "shown by 1" in logged
