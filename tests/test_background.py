@@ -322,3 +322,38 @@ def test_a_background_runs_displays_and_profile_come_under_its_cell_and_into_its
     _, path = nb.run("print(run.path)")
     logged = [entry["display"]["text/plain"] for entry in run_log.read(path.strip()) if "display" in entry]
     assert "shown by 0" in logged and "shown by 1" in logged
+
+
+def test_in_a_terminal_the_lines_print_as_they_come_and_a_cleared_run_keeps_its_results(pool, ip, capsys, tmp_path):
+    from IPython.core.error import UsageError
+
+    from helpers import wait_for
+
+    marker = str(tmp_path / "go")
+    seen: list[str] = []
+
+    def printed() -> str:
+        seen.append(capsys.readouterr().out)
+        return "".join(seen)
+
+    run = ip.run_cell_magic("xla_spawn", "--bg", gated(marker, 1, 1).split("\n", 1)[1])
+    assert wait_for(lambda: "[rank 0] step 0" in printed() and "[rank 1] step 0" in printed())
+    with pytest.raises(UsageError, match=rf"%xla_pool stop refused at once: the pool is running background run {run.id}"):
+        ip.run_line_magic("xla_pool", "stop")
+    open(marker, "w").close()
+    assert run.wait() == [0, 10]
+    assert wait_for(lambda: f"run {run.id} ended after" in printed())
+    assert steps(printed(), 0) == [0, 1] and steps(printed(), 1) == [0, 1]
+    ip.run_line_magic("xla_run", f"show {run.id}")  # the replay, in the terminal
+    replayed = capsys.readouterr().out
+    assert steps(replayed, 0) == [0, 1] and f"run {run.id} ended after" in replayed
+    ip.run_line_magic("xla_runs", "--clear")
+    assert not os.path.exists(run.path) and "ended run" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=f"run {run.id}'s log was removed"):
+        run.show()
+    with pytest.raises(UsageError, match=f"no background run {run.id} in this session"):
+        ip.run_line_magic("xla_run", f"wait {run.id}")
+    ip.run_line_magic("xla_pool", "stop")
+    with pytest.raises(UsageError, match=rf"run {run.id} already ended \(done\); its results and output stay"):
+        run.stop()
+    assert run.results == [0, 10] and run.error is None and run.done()

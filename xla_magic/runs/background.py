@@ -307,9 +307,9 @@ class Runs:
 
     def get(self, run_id: str | int | None) -> BackgroundRun:
         """The run ``run_id`` names (None: the last one), or the UsageError that says which there are."""
-        if not self.runs:
-            raise UsageError("no background run in this session: %%xla_spawn --bg starts one")
         if run_id is None:
+            if not self.runs:
+                raise UsageError("no background run in this session: %%xla_spawn --bg starts one")
             return self.runs[max(self.runs)]
         try:
             number = int(str(run_id).strip())
@@ -317,8 +317,10 @@ class Runs:
             raise UsageError(f"a run's id is its number, as %xla_runs lists them, not {run_id!r}") from None
         run = self.runs.get(number)
         if run is None:
-            known = ", ".join(str(n) for n in sorted(self.runs))
-            raise UsageError(f"no background run {number} in this session (its runs: {known}); %xla_runs lists them")
+            known = (f"its runs: {', '.join(str(n) for n in sorted(self.runs))}; %xla_runs lists them" if self.runs
+                     else "it has none now: %%xla_spawn --bg starts one")
+            raise UsageError(f"no background run {number} in this session ({known}; %xla_runs --clear forgets the "
+                             f"runs that ended)")
         return run
 
     def refusal(self, run: BackgroundRun, action: str) -> str:
