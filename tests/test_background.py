@@ -260,7 +260,7 @@ def test_an_interrupted_kernel_leaves_the_background_run_unharmed(kernel, nb, tm
 def test_an_interrupt_stops_the_wait_not_the_run(kernel, nb, tmp_path):
     marker = str(tmp_path / "go")
     started, _ = nb.run(gated(marker, 1, 1))
-    waiter = nb.send("print('waiting', flush=True)\nrun.wait()")
+    waiter = nb.send("print('waiting')\nrun.wait()")  # unflushed: the cell is in wait() once it shows
     nb.read_until(lambda: "waiting" in nb.under(waiter))  # as the stop button is pressed: once the cell shows it runs
     kernel.manager.interrupt_kernel()
     nb.read_until(lambda: nb.idle(waiter))
@@ -279,11 +279,20 @@ def test_bad_input_is_a_usage_error_that_says_what_to_do(nb):
     assert "UsageError: %xla_run wait needs the run's id" in text
     _, text = nb.run("%%xla_spawn --after --fresh\nrank")
     assert "UsageError: --after waits for the pool's background run" in text
+    _, before = nb.run("%xla_runs")
     _, text = nb.run("%%xla_spawn --bg\nrank +")
-    assert "SyntaxError" in text and "Traceback" not in text.split("SyntaxError")[0][-200:] or "SyntaxError" in text
+    assert "SyntaxError" in text  # at once, under the cell, as a blocking cell's
+    _, after = nb.run("%xla_runs")
+    assert len(after.splitlines()) == len(before.splitlines())  # no run began
     _, text = nb.run("%%xla_spawn --bg --timeout 60 -o run\nrank")
     _, text = nb.run("print(run.wait())")
     assert text == "[0, 1]\n"
+    # --timeout with --bg: the timeout stops the run, and the pool lives on
+    nb.run("%%xla_spawn --bg --timeout 1 -o run\nimport time\nwhile True:\n    time.sleep(0.05)")
+    _, text = nb.run("run.wait()")
+    assert "timed out after 1 s (--timeout)" in text
+    _, text = nb.run("%%xla_spawn\nrank + 3")
+    assert "[3, 4]" in text
 
 
 def test_background_cells_in_new_ranks_one_per_device_and_spmd(nb):

@@ -14,7 +14,9 @@ pool that one holds refuses other requests at once, naming it.
 
 from __future__ import annotations
 
+import contextvars
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -30,6 +32,42 @@ from xla_magic.runs import log as run_log
 from xla_magic.runs import routing
 
 POLL = 0.05  # how often a waiter looks for the end, or for a rank's question
+
+
+class Workers:
+    """The threads that follow background runs, kept between runs: one idle takes the next run at once.
+
+    Starting a thread costs the starting cell more than the rest of ``--bg``
+    together: ``Thread.start`` waits until the new thread runs, and a busy new
+    thread keeps the starter from the GIL for up to its switch interval (5 ms).
+    Daemon threads: a run that goes on never holds up the kernel's exit.
+    """
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], None]) -> None:
+        """``job`` in a thread of its own, each run in a fresh context (no other run's cell as its parent)."""
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="xla_magic run", daemon=True).start()
+        jobs.put(job)
+
+    def _serve(self, jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                contextvars.Context().run(job)
+            except BaseException:  # a run's own failure was shown under its cell; the thread serves on
+                pass
+            with self._lock:
+                self._idle.append(jobs)
+
+
+WORKERS = Workers()
 
 
 class WaitInterrupted(KeyboardInterrupt):
@@ -70,13 +108,12 @@ class BackgroundRun:
         self._answered = threading.Event()
         self._work = work
         self._output = routing.ThreadOutput(shell, parent, self._stream, self._display)
-        self._thread = threading.Thread(target=self._follow, name=f"xla_magic run {run_id}", daemon=True)
 
     # -- the thread ----------------------------------------------------------------
 
     def start(self) -> None:
         routing.route_streams()
-        self._thread.start()
+        WORKERS.run(self._follow)
 
     def _follow(self) -> None:
         with self._output:

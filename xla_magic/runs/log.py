@@ -39,10 +39,10 @@ class LogWriter:
     """The one writer of one run's log; every entry is flushed as it is written, so readers see it at once."""
 
     def __init__(self, path: str, run_id: int, cell: str, pool: str, started: float | None = None,
-                 limit: int = LIMIT) -> None:
+                 limit: int | None = None) -> None:
         self.path = path
         self.started = time.time() if started is None else started
-        self.limit = limit
+        self.limit = LIMIT if limit is None else limit
         self.size = 0
         self.cut = False
         self.ended = False
