@@ -345,7 +345,7 @@ def test_in_a_terminal_the_lines_print_as_they_come_and_a_cleared_run_keeps_its_
         seen.append(capsys.readouterr().out)
         return "".join(seen)
 
-    run = ip.run_cell_magic("xla_spawn", "--bg", gated(marker, 1, 1).split("\n", 1)[1])
+    run = ip.run_cell(gated(marker, 1, 1)).result  # as the terminal runs a cell: the run begins once it ended
     assert wait_for(lambda: "[rank 0] step 0" in printed() and "[rank 1] step 0" in printed())
     with pytest.raises(UsageError, match=rf"%xla_pool stop refused at once: the pool is running background run {run.id}"):
         ip.run_line_magic("xla_pool", "stop")

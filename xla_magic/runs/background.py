@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import rank_input
+from xla_magic import profile_drawer, rank_input
 from xla_magic.display import RankError, RunInterrupted, in_notebook
 from xla_magic.runs import log as run_log
 from xla_magic.runs import routing
@@ -108,12 +108,23 @@ class BackgroundRun:
         self._answered = threading.Event()
         self._work = work
         self._output = routing.ThreadOutput(shell, parent, self._stream, self._display)
+        self._begun = False
+        self._begin_lock = threading.Lock()
 
     # -- the thread ----------------------------------------------------------------
 
     def start(self) -> None:
+        """The run begins once the kernel is done with the starting cell (its reply sent), or as soon as
+        something in that cell asks the handle (done, wait, show, stop): a thread that begins work while the
+        cell still runs takes the GIL from it for up to a switch interval (5 ms) at a time."""
         routing.route_streams()
-        WORKERS.run(self._follow)
+        profile_drawer.after_this_cell(self.begin)
+
+    def begin(self) -> None:
+        with self._begin_lock:
+            begun, self._begun = self._begun, True
+        if not begun:
+            WORKERS.run(self._follow)
 
     def _follow(self) -> None:
         with self._output:
@@ -174,6 +185,7 @@ class BackgroundRun:
     # -- the handle ----------------------------------------------------------------
 
     def done(self) -> bool:
+        self.begin()
         return self._done.is_set()
 
     @property
@@ -192,6 +204,7 @@ class BackgroundRun:
         A rank's question (``input()``, ``breakpoint()``) is asked here while waiting. ``timeout`` seconds
         passed first: TimeoutError.
         """
+        self.begin()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._done.wait(POLL):
@@ -210,6 +223,7 @@ class BackgroundRun:
             raise UsageError(f"run {self.id} already ended ({self.state}); its results and output stay: "
                              f".results, .error, .show()")
         self.stop_requested = True
+        self.begin()
         try:
             while not self._done.wait(POLL):
                 record = self.record
@@ -226,6 +240,7 @@ class BackgroundRun:
         if not os.path.exists(self.path):
             raise UsageError(f"run {self.id}'s log was removed (%xla_runs --clear, or one of more than "
                              f"{run_log.KEPT} runs since); its results stay in .results")
+        self.begin()
         try:
             replay(run_log.follow(self.path, idle=self._serve), in_notebook(self.runs.shell))
         except KeyboardInterrupt:
@@ -377,7 +392,7 @@ class Runs:
         run = self.holding(pool)
         while run is not None:
             try:
-                while not run.done():
+                while not run.done():  # (which begins it, if the cell that started it still runs)
                     run._done.wait(POLL)
                     run._serve()
             except KeyboardInterrupt:
@@ -402,6 +417,7 @@ class Runs:
         """The session ends: every live run is stopped (its ranks' cells interrupted) and waited for."""
         for run in self.living():
             run.stop_requested = True
+            run.begin()  # (a run never begun ends at once, stopped)
             deadline = time.monotonic() + 30
             while not run.done() and time.monotonic() < deadline:
                 record = run.record
