@@ -7,7 +7,7 @@ by round (bench_kernel.alternate); a figure is the median over rounds.
 
 - ``--bg`` returns: ``%%xla_spawn --bg -o run`` of ``a = 1`` submitted to the kernel idle again (the run
   itself waited for, untimed, before the next round); baseline: a plain kernel cell ``a = 1``.
-- The log's cost: a background cell in which every rank prints 10,000 lines, from submitting it to the end of
+- The log's cost: a background cell in which every rank prints 50,000 lines, from submitting it to the end of
   ``run.wait()``, with the run's log written, against the same with the log's writing off (its bound set to 0
   bytes, so nothing past its first line is written); the same kernel, alternating.
 - Round trip: ``run_cell_magic('xla_spawn', '--bg -o run', 'a = 1').wait()`` in one kernel cell against the
@@ -22,9 +22,9 @@ import sys
 from bench_kernel import Kernel, alternate, ratio_note
 
 RANKS = 8
-LINES = 10_000
+LINES = 50_000
 ROUNDS = 15
-STREAM_ROUNDS = 5
+STREAM_ROUNDS = 7
 WARM_UP = 3
 
 Row = tuple[str, float, float, str, str]

@@ -366,3 +366,17 @@ def test_in_a_terminal_the_lines_print_as_they_come_and_a_cleared_run_keeps_its_
     with pytest.raises(UsageError, match=rf"run {run.id} already ended \(done\); its results and output stay"):
         run.stop()
     assert run.results == [0, 10] and run.error is None and run.done()
+
+
+def test_a_background_runs_xla_report_comes_under_its_cell_when_it_ends(nb):
+    started, shown = nb.run("%%xla_spawn --bg --xla-report full -o run\nimport torch, torch_xla\n"
+                            "t = torch.ones(4, device=device) * rank\ntorch_xla.sync()\nt.sum().item()")
+    run_id = int(re.search(r"<run (\d+)", shown)[1])
+    _, text = nb.run("print(run.wait())")
+    assert text == "[0.0, 4.0]\n"
+    nb.read_until(lambda: f"What XLA did in run {run_id}:" in nb.under(started))
+    _, other = nb.run("print('elsewhere')")
+    assert "What XLA did" not in other
+    _, path = nb.run("print(run.path)")
+    logged = [entry["display"].get("text/plain", "") for entry in run_log.read(path.strip()) if "display" in entry]
+    assert any(text.startswith(f"What XLA did in run {run_id}:") for text in logged)
