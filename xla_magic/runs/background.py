@@ -127,27 +127,29 @@ class BackgroundRun:
             WORKERS.run(self._follow)
 
     def _follow(self) -> None:
-        with self._output:
-            try:
-                self._value = self._work(self.ask)
-                state = "done"
-            except BaseException as exc:  # whatever it was, it is the run's, shown under its cell
-                self._error = exc
-                state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-                sys.stderr.write(_rendered(exc))
-                sys.stderr.flush()  # before the line that says the run ended
-                if isinstance(exc, RankError):  # the last error shown, as a failed cell's: %debug opens it
-                    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-            finally:
-                self.duration = time.time() - self.started
-                self._closing = True  # the run's last line stays the run's own
-            print(f"run {self.id} {_ended_words(state)} after {self.duration:.1f} s; every line it showed is kept in "
-                  f"{self.path} (%xla_run show {self.id} shows it again)", flush=True)
-        self.log.end(state, self.duration)
-        self.state = state
-        self._done.set()
-        routing.unroute_streams()
-        self.runs.ended(self)
+        state = "failed"
+        try:
+            with self._output:
+                try:
+                    self._value = self._work(self.ask)
+                    state = "done"
+                except BaseException as exc:  # whatever it was, it is the run's, shown under its cell
+                    self._error = exc
+                    state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+                    if isinstance(exc, RankError):  # the last error shown, as a failed cell's: %debug opens it
+                        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+                    sys.stderr.write(_rendered(exc))
+                    sys.stderr.flush()  # before the line that says the run ended
+                finally:
+                    self.duration = time.time() - self.started
+                    self._closing = True  # the run's last line stays the run's own
+                print(f"run {self.id} {_ended_words(state)} after {self.duration:.1f} s; every line it showed is "
+                      f"kept in {self.path} (%xla_run show {self.id} shows it again)", flush=True)
+        finally:  # whatever became of its output (a kernel closing its streams), the run is over for its waiters
+            self.log.end(state, self.seconds)
+            self.state = state
+            self._done.set()
+            routing.unroute_streams()
 
     def _stream(self, name: str, text: str) -> None:
         self.log.stream(name, text)
@@ -343,9 +345,6 @@ class Runs:
         self._forget_old()
         run.start()
         return run
-
-    def ended(self, run: BackgroundRun) -> None:
-        """A run ended (from its thread)."""
 
     def holding(self, pool: Any) -> BackgroundRun | None:
         """The live run that holds ``pool``, if any."""
