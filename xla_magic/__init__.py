@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython: Any) -> None:
     from xla_magic.magics import XlaMagics
+    from xla_magic.runs.magics import RunMagics
     from xla_magic.session import Session
 
     if getattr(ipython, "_xla_magic_session", None) is not None:
@@ -23,8 +24,11 @@ def load_ipython_extension(ipython: Any) -> None:
     session = Session()
     magics = XlaMagics(ipython, session)
     ipython.register_magics(magics)
+    run_magics = RunMagics(ipython, session)
+    ipython.register_magics(run_magics)
     ipython._xla_magic_session = session
     ipython._xla_magic_magics = magics
+    ipython._xla_magic_run_magics = run_magics
     _announce_kept_pools()
     if os.environ.get("XLA_MAGIC_PREWARM", "1") != "0":
         _prewarm(session)
@@ -59,9 +63,10 @@ def unload_ipython_extension(ipython: Any) -> None:
     try:
         # The names the class registered, read from it, so a new magic is unregistered too.
         table = ipython.magics_manager.magics
-        for kind, names in ipython._xla_magic_magics.magics.items():
-            for name in names:
-                table[kind].pop(name, None)
+        for registered in (ipython._xla_magic_magics, getattr(ipython, "_xla_magic_run_magics", None)):
+            for kind, names in (registered.magics.items() if registered is not None else ()):
+                for name in names:
+                    table[kind].pop(name, None)
         original = ipython._xla_magic_magics.ipython_debug
         if original is not None:
             table["line"]["debug"] = original  # IPython's own %debug again, which ours stood in for
@@ -70,3 +75,4 @@ def unload_ipython_extension(ipython: Any) -> None:
         # Even if closing was cut short: a later %load_ext must start afresh.
         ipython._xla_magic_session = None
         ipython._xla_magic_magics = None
+        ipython._xla_magic_run_magics = None

@@ -213,7 +213,8 @@ class XlaMagics(Magics):
         help="tpu: torch_xla's spawn on TPU devices; cpu: simulated devices on this "
         "machine's CPU; auto (default): tpu where a TPU is found",
     )
-    @argument("-o", "--out", metavar="NAME", help="also store the list of results in this variable")
+    @argument("-o", "--out", metavar="NAME",
+              help="also store the list of results in this variable (with --bg: the run's handle)")
     @argument(
         "-t", "--timeout", type=seconds, default=None, metavar="SECONDS",
         help="stop the ranks (SIGINT, SIGTERM, SIGKILL) if the cell runs longer",
@@ -221,6 +222,17 @@ class XlaMagics(Magics):
     @argument(
         "--fresh", action="store_true",
         help="while a pool runs, run this cell in newly spawned ranks instead of the pool's",
+    )
+    @argument(
+        "--bg", action="store_true",
+        help="run the cell in the background, in the pool: the cell returns at once with the run's handle (-o NAME "
+        "stores it) while the kernel runs other cells; its lines still come under this cell, and are kept on disk "
+        "(%%xla_runs, %%xla_run show|wait|stop ID; see the docs' Long runs)",
+    )
+    @argument(
+        "--after", action="store_true",
+        help="while a background run holds the pool: wait for it to end, then run this cell (without it the cell is "
+        "refused at once)",
     )
     @spmd_arguments
     @xla_report_argument
@@ -266,13 +278,16 @@ class XlaMagics(Magics):
                 cell, args.devices, args.backend, args.timeout, args.fresh,
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
                 spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
-                hang_after=args.hang_after, compile_cache=args.compile_cache,
+                hang_after=args.hang_after, compile_cache=args.compile_cache, after=args.after,
+                background=self.shell if args.bg else None,
             )
         except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
             shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())
             raise shown from shown.error
         if args.out:
             self.shell.user_ns[args.out] = results
+        if args.bg:
+            return results  # the run's handle
         # Like a cell ending in print(...): nothing worth showing.
         if not self.session.one_value and results is not None and all(value is None for value in results):
             return None

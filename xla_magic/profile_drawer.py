@@ -32,10 +32,14 @@ def after_this_cell(then: Callable[[], None]) -> None:
     In a Jupyter kernel, a callback of its event loop: the cell runs inside
     the loop's handling of its message, so the callback runs when that
     handling returned, after the reply and the idle status went. In a
-    terminal IPython, at its ``post_execute``; elsewhere, now.
+    terminal IPython, at its ``post_execute``; elsewhere (a background
+    run's thread among them), now.
     """
     import asyncio
 
+    if threading.current_thread() is not threading.main_thread():
+        then()  # a background run's thread (runs/background.py): the cell that started it is long over
+        return
     try:
         asyncio.get_running_loop().call_soon(then)
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from typing import Any, Mapping
 
 from IPython.core.error import UsageError
@@ -65,6 +66,8 @@ class Runner:
         self.post_mortem: Any = None  # what %debug opens, until the next cell (PostMortem, or HostsPostMortem)
         self.let_go: Any = None  # the last one let go, to say why %xla_debug has none
         self.ask: rank_input.Ask | None = None  # how its ranks' questions are asked (None: the kernel's own input)
+        # One job handed to the launcher at a time: a background run's thread may launch beside the kernel's cell.
+        self.launching = threading.Lock()
 
     # -- the launcher ------------------------------------------------------
 
@@ -108,7 +111,7 @@ class Runner:
         """Ship what the cell reads, send it to ``ranks`` (launching them with it if new), follow it."""
         self.release_post_mortem("another cell ran since")  # before it starts: a kept one-shot set may hold the devices
         profile_view.wait_drawn()  # the last cell's profile, filled in once its ranks' digests came, comes first
-        run_id = self.history.next_run_id()
+        run_id = cell.run_id or self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
         filename = f"<xla_spawn cell {run_id}>"
@@ -136,7 +139,7 @@ class Runner:
             draws = cell.profile and ranks.world is None
             request = Request(ranks, record, seq, None if launching else frame, workdir=self.workdir,
                               has_result=has_result, timeout=cell.timeout, on_update=self.history.notify,
-                              live_lines=cell.live_lines, hang_after=hang_after, ask=self.ask, tells_digest=not draws)
+                              live_lines=cell.live_lines, hang_after=hang_after, ask=cell.ask or self.ask, tells_digest=not draws)
             if launching:
                 self.launch(ranks, record, first=frame)
             else:
@@ -175,6 +178,10 @@ class Runner:
         """Start the ranks' job (on ``launcher``: a kept pool's own, else this host's); launcher trouble becomes a
         UsageError, Ctrl-C a RunInterrupted."""
         self.release_post_mortem("new ranks started since")
+        with self.launching:
+            self._launch(ranks, record, first, launcher)
+
+    def _launch(self, ranks: Ranks, record: RunRecord, first: bytes | None, launcher: Launcher | None) -> None:
         launcher = launcher or self.ready_launcher()
         if ranks.backend == "tpu" and not ranks.placement.on_cpu:
             without = probe.no_libtpu(launcher.info or {}, ranks.devices)

@@ -11,20 +11,23 @@ spawned for it alone. The session never asks which kind of pool it holds
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import sharding
+from xla_magic import payload, sharding
 from xla_magic.run import watch
 from xla_magic.compile_cache import CacheSetting
 from xla_magic.history import History
+from xla_magic.pools import admission
 from xla_magic.pools.across_hosts import HostsPool
 from xla_magic.pools import kept
 from xla_magic.pools.this_host import LocalPool
 from xla_magic.pools.interface import Cell, Pool, PoolOptions
 from xla_magic.record import RunRecord
 from xla_magic.runner import Runner, plan, refuse_if_kernel_holds_devices
+from xla_magic.runs.background import BackgroundRun, Runs
 
 __all__ = ["Session", "plan", "refuse_if_kernel_holds_devices"]
 
@@ -36,6 +39,7 @@ class Session:
         self.runs = History()
         self.host = Runner(self.runs)
         self.pool: Pool | None = None  # while a pool runs (or is broken)
+        self.background = Runs(self)  # %%xla_spawn --bg runs (runs/background.py)
 
     # -- what the panel and the magics read back -----------------------------
 
@@ -77,18 +81,56 @@ class Session:
         profile: bool = False,
         hang_after: float | None = None,
         compile_cache: CacheSetting | None = None,
+        after: bool = False,
+        background: Any = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (``fresh``: in new ranks where it runs), else in new ranks.
 
-        Its value: the list by rank, or (SPMD) the one value.
+        Its value: the list by rank, or (SPMD) the one value. A pool that a background run holds refuses it at
+        once, unless ``after``: then it waits for the pool first. ``background`` (the shell): it runs in the
+        background, and its value is the run's handle.
         """
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
                        profile=profile, hang_after=hang_after, compile_cache=compile_cache)
         pool = self.current_pool()
+        if after and (pool is None or fresh):
+            raise UsageError("--after waits for the pool's background run, then runs the cell in the pool: "
+                             + ("no pool is running, so there is nothing to wait for; leave --after out"
+                                if pool is None else "leave out --fresh (which runs the cell in new ranks at once)"))
+        if pool is not None and not fresh:
+            if after:
+                self.background.wait_for_pool(pool)
+                pool = self.current_pool()
+            else:
+                self.background.check_free(pool, "%%xla_spawn")
         if pool is None:
             kept.refuse_if_held(backend, devices, "%%xla_spawn")
-            return self.host.one_shot(request)
-        return pool.run_cell(request)
+        if background is not None:
+            return self._in_background(request, pool, background)
+        return self.host.one_shot(request) if pool is None else pool.run_cell(request)
+
+    def _in_background(self, request: Cell, pool: Pool | None, shell: Any) -> BackgroundRun:
+        """``%%xla_spawn --bg``: checked here and now, then run by a thread of the kernel (runs/background.py)."""
+        if pool is not None and not isinstance(pool, LocalPool):
+            raise UsageError("--bg runs a cell in a pool on this host or in new ranks; a pool across hosts runs its "
+                             "cells in the foreground: leave --bg out")
+        payload.analyse(request.source, "<xla_spawn cell>")  # its SyntaxError now, under this cell
+        held = pool if pool is not None and not request.fresh else None
+        if held is not None:
+            held.admit(request)
+            size = held.world_size
+        else:
+            if pool is not None:
+                admission.check_fresh_allowed(pool.ranks)
+            placement = plan(request.backend, request.devices, "%%xla_spawn", request.spmd)
+            size = 1 if request.spmd is not None else placement.devices
+        run_id = self.runs.next_run_id()
+
+        def work(ask: Any) -> Any:
+            cell = dataclasses.replace(request, run_id=run_id, ask=ask)
+            return held.run_admitted(cell) if held is not None else self.host.one_shot(cell)
+
+        return self.background.start(request.source, held, size, work, shell, run_id)
 
     # -- the pool ------------------------------------------------------------
 
@@ -143,6 +185,7 @@ class Session:
     def restart_pool(self, options: PoolOptions) -> Pool:
         """Fresh ranks for the pool: what is not given is as before (an SPMD pool stays SPMD, with its mesh)."""
         old = self.current_pool()
+        self.background.check_free(old, "%xla_pool restart")
         if old is None or options.hosts is not None or (options.keep is not None and not isinstance(old, kept.KeptPool)):
             self.stop_pool()  # a pool that becomes kept needs a launcher of its own
             return self.start_pool(options)
@@ -158,6 +201,7 @@ class Session:
 
     def stop_pool(self) -> bool:
         """``%xla_pool stop`` and the status panel's Stop pool: True when there was a pool to stop."""
+        self.background.check_free(self.current_pool(), "%xla_pool stop")
         pool, self.pool = self.current_pool(), None
         self.release_post_mortem("the pool was stopped")
         if pool is None:
@@ -167,16 +211,18 @@ class Session:
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         """``%xla_pool push NAME...``: the kernel's values into every rank's namespace."""
-        self._usable_pool().push(names, user_ns)
+        self._usable_pool("%xla_pool push").push(names, user_ns)
 
     def pull(self, name: str, rank: int | None) -> Any:
         """``%xla_pool pull NAME``: every rank's value (a list by rank), or rank ``rank``'s."""
-        return self._usable_pool().pull(name, rank)
+        return self._usable_pool("%xla_pool pull").pull(name, rank)
 
     def stacks(self, rank: int | None, everything: bool, with_locals: bool = False) -> list[str]:
         """``%xla_stacks``: where the ranks were when the last cell was stuck or stopped; a pool's ranks now, on
         this host or across hosts (``with_locals``: each cell frame's names too, where the ranks can say)."""
-        return watch.report(self.history, self.current_pool(), rank, everything, with_locals)
+        pool = self.current_pool()
+        self.background.check_free(pool, "%xla_stacks")
+        return watch.report(self.history, pool, rank, everything, with_locals)
 
     # -- debugging a rank (post_mortem.py: this host's runner keeps what %debug opens) ----------------
 
@@ -198,15 +244,17 @@ class Session:
                     "then keep their ranks, namespaces and compiled graphs between cells.")
         return f"pool {pool.describe()}"
 
-    def _usable_pool(self) -> Pool:
+    def _usable_pool(self, action: str = "this") -> Pool:
         pool = self.current_pool()
         if pool is None:
             raise UsageError("no pool is running; start one with %xla_pool start [--devices N]")
+        self.background.check_free(pool, action)
         return pool
 
     def close(self) -> None:
         """Stop the pool and the launcher, and remove the session's directory."""
         try:
+            self.background.close()  # its runs' cells stopped first: the pool's ranks are theirs
             pool, self.pool = self.pool, None
             if pool is not None:
                 pool.leave()

@@ -36,6 +36,8 @@ class Cell:
     profile: bool = False  # --profile
     hang_after: float | None = None  # --hang-after (watch.py)
     compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache, for new ranks; None: as the default
+    run_id: int | None = None  # a background run's id, given when it began (None: the runner numbers it)
+    ask: Any = None  # how its ranks' questions are asked (rank_input.Ask; None: as the runner asks)
 
 
 @dataclass(frozen=True)

@@ -226,9 +226,9 @@ class KeptPool(LocalPool):
 
     # -- what differs from a pool that is not kept ------------------------------------
 
-    def run_cell(self, cell: Any) -> Any:
+    def admit(self, cell: Any) -> None:
         self.check_linked()
-        return super().run_cell(cell)
+        super().admit(cell)
 
     def push(self, names: list[str], user_ns: Any) -> None:
         self.check_linked()

@@ -121,15 +121,24 @@ class LocalPool:
         admission.check_fits(self.ranks, options.devices, options.backend or "auto", options.spmd)
 
     def run_cell(self, cell: Cell) -> Any:
-        ranks = self.ranks
         if cell.fresh:
             return self.run_fresh(cell)
+        self.admit(cell)
+        return self.run_admitted(cell)
+
+    def admit(self, cell: Cell) -> None:
+        """Whether the pool's ranks can take ``cell`` (the UsageError that says why not), before it is sent."""
+        ranks = self.ranks
         admission.check_fits(ranks, cell.devices, cell.backend, cell.spmd)
         if cell.compile_cache is not None:
             on_cpu = ranks.placement.on_cpu
             compile_cache.refuse_for_one_cell(cell.compile_cache, ranks.cache, on_cpu, ranks.cache.describe(on_cpu))
         admission.check_usable(ranks)
         self.runner.guard_kernel(ranks)
+
+    def run_admitted(self, cell: Cell) -> Any:
+        """``cell`` in the pool's ranks, once :meth:`admit` let it in (a background run's thread runs this)."""
+        ranks = self.ranks
         return self.runner.cell(ranks, cell, cell.xla_report or self.xla_report, cell.hang_after or ranks.hang_after)
 
     def run_fresh(self, cell: Cell, world: protocol.World | None = None) -> Any:

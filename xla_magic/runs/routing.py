@@ -1,0 +1,118 @@
+"""What a background run's thread shows: into the run's log, then under the cell that started it. Runs in the
+kernel.
+
+A background run is followed by a thread of the kernel while other cells
+run. Everything that thread shows (the ranks' tagged lines, the kernel's own
+lines: errors, the watchdog, the XLA report; ``display()`` calls) is first
+written to the run's log (log.py), and then shown under the run's own cell:
+
+- streams: while a background run lives, ``sys.stdout`` and ``sys.stderr``
+  are :class:`Routed`, which hands a write from a run's thread to that run's
+  log and passes every write on to the stream it stands for; other threads'
+  writes pass untouched. The kernel's streams are put back once no run lives.
+- the cell: ipykernel (6.29 and later) lets a thread name the parent of what
+  it sends (``set_thread_parent`` on its streams and on the shell's display
+  publisher), so the thread's messages carry the starting cell's header and
+  a front end puts them under that cell, whatever cell runs now.
+  ipykernel's IOPub socket is its own thread's, safe to send to from any.
+- displays: the display publisher's hooks are the calling thread's own
+  (``register_hook``); the thread's hook writes each display to the log.
+- in a terminal IPython the lines print as they come.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+_local = threading.local()
+_lock = threading.Lock()
+_living = 0
+
+
+class Routed:
+    """``sys.stdout`` / ``sys.stderr`` while a background run lives: a run thread's writes go to its log too."""
+
+    def __init__(self, name: str, original: Any) -> None:
+        self._name = name
+        self._original = original
+
+    def write(self, text: str) -> int:
+        sink = getattr(_local, "sink", None)
+        if sink is not None and text:
+            sink(self._name, text)
+        return self._original.write(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._original, name)
+
+
+def route_streams() -> None:
+    """One more run lives: the kernel's streams are routed (once, for all runs)."""
+    global _living
+    with _lock:
+        _living += 1
+        for name in ("stdout", "stderr"):
+            if not isinstance(getattr(sys, name), Routed):
+                setattr(sys, name, Routed(name, getattr(sys, name)))
+
+
+def unroute_streams() -> None:
+    """One run less: with none left, the kernel's own streams again (unless something replaced ours since)."""
+    global _living
+    with _lock:
+        _living = max(0, _living - 1)
+        if _living:
+            return
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if isinstance(stream, Routed):
+                setattr(sys, name, stream._original)
+
+
+def original(stream: Any) -> Any:
+    return stream._original if isinstance(stream, Routed) else stream
+
+
+class ThreadOutput:
+    """The calling thread's output, for one run: into ``sink`` (the log) and under the cell ``parent`` names."""
+
+    def __init__(self, shell: Any, parent: dict[str, Any] | None, stream: Callable[[str, str], None],
+                 display: Callable[[dict[str, Any]], None]) -> None:
+        self.shell = shell
+        self.parent = parent
+        self.stream = stream
+        self.display = display
+        self._hooked: Any = None
+
+    def __enter__(self) -> ThreadOutput:
+        _local.sink = self.stream
+        if self.parent:
+            for target in (original(sys.stdout), original(sys.stderr), getattr(self.shell, "display_pub", None)):
+                if hasattr(target, "set_thread_parent"):
+                    target.set_thread_parent(self.parent)  # this thread's only: a context variable
+        publisher = getattr(self.shell, "display_pub", None)
+        if hasattr(publisher, "register_hook"):  # ipykernel's: this thread's hooks only
+            publisher.register_hook(self._hook)
+            self._hooked = publisher
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream at the kernel's exit
+                pass
+        if self._hooked is not None:
+            self._hooked.unregister_hook(self._hook)
+        _local.sink = None
+
+    def _hook(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("msg_type") in ("display_data", "update_display_data"):
+            self.display(msg)
+        return msg
