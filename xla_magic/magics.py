@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 from IPython.display import display
 
-from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
+from xla_magic import compile_cache, metrics_view, profile_view, troubleshooting, widget, xla_report
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted, in_notebook, syntax_error_in_cell
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
@@ -219,6 +219,10 @@ class XlaMagics(Magics):
         help="record the cell on every rank with torch_xla's profiler and show a timeline of where each rank's time "
         "went (compiles, executions, transfers, your xp.Trace annotations); %%xla_profile shows it again",
     )
+    @argument(
+        "--metrics", choices=("mean", "ranks"), default="mean",
+        help="what the chart of the values the cell log()s draws: the ranks' mean (default) or every rank's line",
+    )
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -254,7 +258,7 @@ class XlaMagics(Magics):
                 cell, args.devices, args.backend, args.timeout, args.fresh,
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
                 spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
-                hang_after=args.hang_after, compile_cache=args.compile_cache,
+                hang_after=args.hang_after, compile_cache=args.compile_cache, metrics=args.metrics,
             )
         except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
             shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())
@@ -284,6 +288,28 @@ class XlaMagics(Magics):
         if record is None:
             raise UsageError("no %%xla_spawn cell has run yet: run one, then %xla_report shows what XLA did in it")
         xla_report.show(xla_report.Report(record), text=args.text)
+
+    @magic_arguments()
+    @argument("run", nargs="?", type=int, default=None,
+              help="the run whose values to return (its number, as %%xla_status lists it); default: the last cell's")
+    @line_magic
+    def xla_metrics(self, line: str) -> Any:
+        """The values a %%xla_spawn cell's ranks logged with ``log(...)``: a pandas DataFrame, or a dict of lists.
+
+        Columns: run, rank, step, name, value, time (the rank's clock when it
+        logged). A dict of those lists where pandas is not installed.
+        """
+        args = parse_argstring(self.xla_metrics, line)
+        if args.run is None:
+            record = self.session.last_cell
+            if record is None:
+                raise UsageError("no %%xla_spawn cell has run yet: run one that calls log(...), then %xla_metrics")
+        else:
+            record = next((r for r in self.session.history if r.run_id == args.run), None)
+            if record is None:
+                kept = ", ".join(str(r.run_id) for r in self.session.history) or "none"
+                raise UsageError(f"no run {args.run} is kept (the recent runs kept: {kept}); %xla_status lists them")
+        return metrics_view.table([record])
 
     @magic_arguments()
     @argument("--text", action="store_true", help="print the summary as text, even in a notebook")

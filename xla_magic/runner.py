@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, place, post_mortem, probe, profile_view, rank_input, sharding, xla_report
+from xla_magic import (compile_cache, metrics_view, payload, place, post_mortem, probe, profile_view, rank_input,
+                       sharding, xla_report)
 from xla_magic.pools import policy
 from xla_magic.wire import protocol
 from xla_magic.display import RankError, RunInterrupted
@@ -142,6 +143,10 @@ class Runner:
             else:
                 self.history.remember(record)
             request.start()
+            # What its ranks log(), drawn under it as it comes (one host's part of a world draws nothing).
+            chart = metrics_view.Chart(record, cell.metrics == "ranks", cell.live_lines) if ranks.world is None else None
+            if chart is not None:
+                self.history.listeners.append(chart.notice)
             # --profile: a trace that comes undigested is read as soon as its rank says where it is (profile_view.Reader).
             reader = profile_view.Reader() if draws else None
             if reader is not None:
@@ -155,6 +160,9 @@ class Runner:
                     error.not_kept = post_mortem.why_not(ranks, error)
                 raise
             finally:
+                if chart is not None:
+                    self.history.listeners.remove(chart.notice)
+                    chart.close()
                 if launching:
                     self.tell_cache(ranks)
                 if ranks.world is None:  # one host's part of a world says nothing: the kernel tells every host's

@@ -36,6 +36,7 @@ class Cell:
     profile: bool = False  # --profile
     hang_after: float | None = None  # --hang-after (watch.py)
     compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache, for new ranks; None: as the default
+    metrics: str = "mean"  # --metrics: the chart of what the ranks log(), their mean ("mean") or every rank's ("ranks")
 
 
 @dataclass(frozen=True)
