@@ -64,11 +64,11 @@ class Series:
         return sorted(self.ranks[rank].items())
 
     def last(self, per_rank: bool) -> tuple[int, str]:
-        """The last step and what was logged at it (the mean, or each rank's value)."""
+        """The last step and what was logged at it (the mean, of the ranks that logged it then; or each rank's)."""
         step = max(self.sums)
         if not per_rank:
             total, count = self.sums[step]
-            return step, _number(total / count)
+            return step, f"{_number(total / count)} at step {step}, mean of {count} rank{'s' if count != 1 else ''}"
         values = [(rank, steps[step]) for rank, steps in sorted(self.ranks.items()) if step in steps]
         return step, ", ".join(f"{_number(value)} (rank {rank})" for rank, value in values)
 
@@ -128,9 +128,9 @@ def svg(series: dict[str, Series], per_rank: bool) -> str:
             return top + TOP + plot_h * (high - value) / (high - low)
 
         step, last = one.last(per_rank)
-        who = "" if per_rank else f", mean of {len(one.ranks)} rank{'s' if len(one.ranks) != 1 else ''}"
+        at = "" if not per_rank else f" at step {step}"
         parts.append(f'<text x="{LEFT}" y="{top + 16}" font-weight="bold">{html.escape(name)} = '
-                     f'{html.escape(last)} at step {step}{who}</text>')
+                     f'{html.escape(last)}{at}</text>')
         parts.append(f'<rect x="{LEFT}" y="{top + TOP}" width="{WIDTH - LEFT - 10}" height="{plot_h}" '
                      f'fill="none" stroke="#ccc"/>')
         parts.append(f'<text x="{LEFT - 4}" y="{top + TOP + 8}" text-anchor="end">{_number(high)}</text>')
@@ -152,7 +152,7 @@ def text_line(series: dict[str, Series], per_rank: bool) -> str:
     shown = []
     for name, one in series.items():
         step, last = one.last(per_rank)
-        shown.append(f"{name} {last} (step {step})")
+        shown.append(f"{name} {last.split(' at step ')[0]} (step {step})")
     return " · ".join(shown)
 
 
