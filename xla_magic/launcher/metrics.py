@@ -148,6 +148,12 @@ def _read(held: list[tuple[int, str, Any, float]], counted: bool) -> list[tuple[
     return [(step, name, float(value.detach()), when) for (step, name, _v, when), value in zip(held, on_cpu)]
 
 
+def check(name: str, value: Any) -> None:
+    """TypeError or ValueError unless ``value`` is one real number that log() takes."""
+    if _device_value(name, value) is None:
+        _number(name, value)
+
+
 def _device_value(name: str, value: Any) -> Any:
     """An XLA tensor, checked to hold one number, as it is (a view of it would be a graph of its own); else None."""
     if not isinstance(value, torch.Tensor) or value.device.type != "xla":
