@@ -188,3 +188,17 @@ def test_a_terminal_ipython_gets_one_text_line_rewritten_in_place(ip, pool, spaw
     assert "<svg" not in run.stdout
     table = ip.run_line_magic("xla_metrics", "")
     assert math.isclose(sum(v for v, s in zip(table["value"], table["step"]) if s == 29) / 2, mean, rel_tol=1e-6)
+
+
+def test_metrics_dir_writes_tensorboard_event_files_that_tensorboard_reads(ip, pool, spawn, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spawn(f"--metrics-dir {tmp_path}", "import torch, torch_xla\nfor step in range(10):\n"
+          "    log(loss=torch.tensor(float(step), device=device) + rank, lr=0.1)\n    torch_xla.sync()")
+    run = ip._xla_magic_session.last_cell.run_id
+    for rank in (0, 1):
+        events = EventAccumulator(str(tmp_path / f"run-{run}" / f"rank-{rank}"))
+        events.Reload()
+        assert sorted(events.Tags()["scalars"]) == ["loss", "lr"]
+        assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, float(s + rank)) for s in range(10)]
+        assert [e.value for e in events.Scalars("lr")] == pytest.approx([0.1] * 10)

@@ -12,6 +12,7 @@ several hosts holds one with a local pool, and knows nothing of the session.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Any, Mapping
 
@@ -112,6 +113,8 @@ class Runner:
         run_id = self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
+        # --metrics-dir: each rank's TensorBoard files in DIR/run-N/rank-R (launcher/metrics.py)
+        board = {"metrics_dir": os.path.join(os.path.abspath(cell.metrics_dir), f"run-{run_id}")} if cell.metrics_dir else {}
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell.source, filename)
         values = payload.select_names(names, cell.user_ns, cell.hidden)
@@ -124,7 +127,7 @@ class Runner:
             transformed = {"code": code} if code != cell.source else {}
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell.source, filename=filename,
                                     has_result=has_result, results_to=ranks.results.prefix,
-                                    xla_report=report != "off", **profiled, **transformed,
+                                    xla_report=report != "off", **profiled, **board, **transformed,
                                     **place.changed(here, ranks.place), **shipping)
             launching = ranks.state == "starting"
             record = self.record(run_id, cell.source, ranks)

@@ -77,13 +77,15 @@ class Session:
         hang_after: float | None = None,
         compile_cache: CacheSetting | None = None,
         metrics: str = "mean",
+        metrics_dir: str | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (``fresh``: in new ranks where it runs), else in new ranks.
 
         Its value: the list by rank, or (SPMD) the one value.
         """
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
-                       profile=profile, hang_after=hang_after, compile_cache=compile_cache, metrics=metrics)
+                       profile=profile, hang_after=hang_after, compile_cache=compile_cache, metrics=metrics,
+                       metrics_dir=metrics_dir)
         pool = self.current_pool()
         return self.host.one_shot(request) if pool is None else pool.run_cell(request)
 

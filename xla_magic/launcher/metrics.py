@@ -17,7 +17,8 @@ simulation's copies.
 
 Values travel to the kernel as one METRICS event per batch (rows of
 ``(step, name, value, time)``), at most every FLUSH_SECONDS and at the
-cell's end, never one per call. At the cell's end a value whose graph never
+cell's end, never one per call (and, with ``--metrics-dir``, as TensorBoard
+event files: :class:`Board`). At the cell's end a value whose graph never
 ran (logged after the cell's last sync) is read then, which runs its graph:
 the account shows that execution, as it would show the ``.item()`` it
 replaces.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import sys
 import threading
 import time
@@ -62,6 +64,7 @@ class Logger:
         self.launched: list[tuple[int, str, Any, float]] = []  # device values whose graph a sync launched
         self.queued = False  # a step closure waits for the next sync
         self.sent = time.monotonic()
+        self.board = Board(None, rank)
         _loggers.logger = _process_logger = self
         if namespace is not None:
             namespace.setdefault("log", log)
@@ -71,6 +74,7 @@ class Logger:
         """A cell's logging: steps count from 0, and what it logged is all sent by its end."""
         self.seq, self.next_step = fields.get("seq"), 0
         self.rows, self.waiting, self.launched, self.queued = [], [], [], False
+        self.board = Board(fields.get("metrics_dir"), self.rank)
         try:
             yield
         finally:
@@ -79,6 +83,7 @@ class Logger:
             finally:
                 self.seq = None
                 self.waiting, self.launched = [], []
+                self.board.close()
 
     def log(self, step: Any, values: dict[str, Any]) -> None:
         if self.seq is None:
@@ -125,6 +130,7 @@ class Logger:
             return
         rows, self.rows = self.rows, []
         self.channel.send(protocol.METRICS, seq=self.seq, rows=rows)
+        self.board.write(rows)
 
     @staticmethod
     def _needs_graph(held: list[tuple[int, str, Any, float]]) -> bool:
@@ -134,6 +140,41 @@ class Logger:
             return any(torch_xla._XLAC._check_tensor_need_materialization([value for _s, _n, value, _t in held]))
         except Exception:  # another torch_xla's API: count the read as the cell's
             return True
+
+
+class Board:
+    """--metrics-dir: the cell's values also as TensorBoard event files, in ``DIR/run-N/rank-R`` (one writer per cell).
+
+    Written with torch.utils.tensorboard's SummaryWriter (its own thread writes
+    the files), which needs the tensorboard package on the ranks; without it,
+    rank 0 says so once and nothing is written.
+    """
+
+    def __init__(self, directory: str | None, rank: int) -> None:
+        self.directory = os.path.join(directory, f"rank-{rank}") if directory else None
+        self.rank = rank
+        self.writer: Any = None
+
+    def write(self, rows: list[tuple[int, str, float, float]]) -> None:
+        if self.directory is None:
+            return
+        if self.writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                if self.rank == 0:
+                    print("log: --metrics-dir writes TensorBoard files with torch.utils.tensorboard, which needs "
+                          "the tensorboard package where the ranks run: pip install tensorboard", file=sys.stderr)
+                self.directory = None
+                return
+            self.writer = SummaryWriter(self.directory)
+        for step, name, value, when in rows:
+            self.writer.add_scalar(name, value, step, walltime=when)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def _read(held: list[tuple[int, str, Any, float]], counted: bool) -> list[tuple[int, str, float, float]]:

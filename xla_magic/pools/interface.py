@@ -37,6 +37,7 @@ class Cell:
     hang_after: float | None = None  # --hang-after (watch.py)
     compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache, for new ranks; None: as the default
     metrics: str = "mean"  # --metrics: the chart of what the ranks log(), their mean ("mean") or every rank's ("ranks")
+    metrics_dir: str | None = None  # --metrics-dir: where the ranks also write what they log, for TensorBoard
 
 
 @dataclass(frozen=True)
