@@ -89,6 +89,12 @@ def kernel():
         k.close()
 
 
+def panel(chart: str, name: str) -> str:
+    """The part of the chart's SVG that draws ``name``: from its title to the next title."""
+    titles = chart.split('font-weight="bold">')
+    return next(part for part in titles[1:] if part.startswith(f"{name} = "))
+
+
 def account(kernel: Kernel) -> dict:
     reply, text = kernel.run(ACCOUNT)
     assert reply["status"] == "ok", text
@@ -109,6 +115,14 @@ def test_logging_the_loss_every_step_adds_no_sync_and_no_compile_and_the_chart_s
     logged = Cell(kernel, TRAIN.format(log="from xla_magic import log\n    log(loss=loss, lr=0.01)"))
     assert logged.reply["status"] == "ok", logged.text
     assert account(kernel) == plain  # the same compiles, executions, device->host transfers and .item()s
+    # A view (of a weight the optimizer changes in place) is copied when logged: a graph output of its own,
+    # compiled in the first cell that logs it, and nothing more after.
+    view = TRAIN.format(log="log(loss=loss, weight=model.weight[0, 0])")
+    Cell(kernel, view)
+    logged_view = Cell(kernel, view)
+    assert logged_view.reply["status"] == "ok", logged_view.text
+    assert account(kernel) == plain
+    assert "weight = " in logged_view.last_chart
     assert plain["0"]["executions"] >= 200 and plain["0"]["transfers"] == 0
     assert not without.charts  # nothing logged, nothing drawn
 
@@ -141,7 +155,7 @@ def test_a_nan_is_a_gap_said_once_and_every_rank_has_its_line(kernel):
     chart = cell.last_chart
     assert "loss = 11 (rank 0), 12 (rank 1) at step 11" in chart
     assert "only_zero = 22 (rank 0) at step 11" in chart  # drawn from the one rank that logs it
-    loss_panel = chart.split("only_zero")[0]
+    loss_panel = panel(chart, "loss")
     assert loss_panel.count("<polyline") == 3  # rank 0's line, rank 1's broken by its NaNs
     assert ">rank 0<" in loss_panel and ">rank 1<" in loss_panel
 
@@ -154,6 +168,15 @@ def test_a_value_that_is_not_a_number_is_refused_at_the_call(kernel):
     cell = Cell(kernel, "%%xla_spawn\nimport torch\nlog(w=torch.ones(3, device=device))")
     assert cell.reply["status"] == "error"
     assert "log(w=...) takes one number, but this tensor has shape (3,)" in cell.text
+
+
+def test_a_value_changed_in_place_after_it_was_logged_is_dropped_and_said_once(kernel):
+    cell = Cell(kernel, "%%xla_spawn\nimport torch, torch_xla\ntotal = torch.zeros((), device=device)\n"
+                        "for step in range(30):\n    log(total=total)\n    torch_xla.sync()\n"
+                        "    total += 1  # in place: what was logged a sync ago is not what it was\n")
+    assert cell.reply["status"] == "ok", cell.text
+    said = re.findall(r"\[rank (\d)\] log: total was changed in place after it was logged", cell.text)
+    assert sorted(said) == ["0", "1"]  # once per rank
 
 
 def test_the_chart_redraws_a_few_times_a_second_however_fast_the_ranks_log(kernel):
@@ -202,3 +225,17 @@ def test_metrics_dir_writes_tensorboard_event_files_that_tensorboard_reads(ip, p
         assert sorted(events.Tags()["scalars"]) == ["loss", "lr"]
         assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, float(s + rank)) for s in range(10)]
         assert [e.value for e in events.Scalars("lr")] == pytest.approx([0.1] * 10)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_each_rank_logs_in_a_one_shot_cell_and_as_a_thread_of_the_tpu_launch_path(ip, spawn, monkeypatch, backend):
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")  # for tpu: its launch path, the ranks as CPU threads of one process
+    run = spawn(f"--devices 2 --backend {backend}",
+                "import torch, torch_xla\nfor step in range(6):\n"
+                "    log(loss=torch.tensor(float(step), device=device) * (rank + 1))\n    torch_xla.sync()\n"
+                "log(after=torch.ones(2, device=device).sum())  # after the last sync: read at the cell's end")
+    record = ip._xla_magic_session.last_cell
+    rows = sorted((rank, step, name, value) for rank, step, name, value, _when in record.metrics)
+    assert rows == sorted([(rank, step, "loss", float(step * (rank + 1))) for rank in (0, 1) for step in range(6)]
+                          + [(rank, 6, "after", 2.0) for rank in (0, 1)])
+    assert run.stdout.split("\r\x1b[K")[-1].startswith("loss 7.5 (step 5) · after 2 (step 6)")

@@ -9,9 +9,9 @@ graph. The logger queues one of torch_xla's step closures
 runs in ``torch_xla.sync()`` (``xm.mark_step`` calls it) after the step's
 graph was launched, and notes that what was held before that sync now has
 its data. Those values are read later, all in one transfer
-(``_xla_get_cpu_tensors``), when the rank sends a batch: by then their
-graph has run, so the read waits for nothing and the next step's graph is
-already queued. That transfer is the logger's own, not the cell's: the
+(``_xla_get_cpu_tensors``), when the rank sends a batch, once a later sync
+launched the next step's graph: the device runs graphs in order, so theirs
+has run (or nearly), and the device has the next step's to run meanwhile. That transfer is the logger's own, not the cell's: the
 cell's XLA account (xla_account.py) takes it off, as it takes off the CPU
 simulation's copies.
 
@@ -42,6 +42,7 @@ FLUSH_SECONDS = 0.2  # the longest a logged value waits on the rank before it is
 _loggers = threading.local()
 _process_logger: "Logger | None" = None
 _lock = threading.Lock()
+Held = tuple  # a device value held until read: (step, name, tensor, time, the tensor's _version when logged)
 own_transfers = 0  # device-to-host transfers the loggers of this process made (xla_account takes them off)
 
 
@@ -60,9 +61,11 @@ class Logger:
         self.seq: Any = None  # the cell's request, while one runs; its METRICS echo it
         self.next_step = 0
         self.rows: list[tuple[int, str, float, float]] = []  # read, to send
-        self.waiting: list[tuple[int, str, Any, float]] = []  # device values whose graph has not been launched
-        self.launched: list[tuple[int, str, Any, float]] = []  # device values whose graph a sync launched
+        self.waiting: list[Held] = []  # device values whose graph has not been launched
+        self.launched: list[Held] = []  # device values whose graph the last sync launched
+        self.ran: list[Held] = []  # ... an earlier sync launched: run by now, or nearly
         self.queued = False  # a step closure waits for the next sync
+        self.told_changed = False  # the rank said that a value changed in place after it was logged
         self.sent = time.monotonic()
         self.board = Board(None, rank)
         _loggers.logger = _process_logger = self
@@ -73,16 +76,19 @@ class Logger:
     def cell(self, fields: dict[str, Any]) -> Iterator[None]:
         """A cell's logging: steps count from 0, and what it logged is all sent by its end."""
         self.seq, self.next_step = fields.get("seq"), 0
-        self.rows, self.waiting, self.launched, self.queued = [], [], [], False
+        self.rows, self.waiting, self.launched, self.ran, self.queued = [], [], [], [], False
+        self.told_changed = False
         self.board = Board(fields.get("metrics_dir"), self.rank)
+        ended = False
         try:
             yield
+            ended = True
         finally:
-            try:
-                self.flush(everything=True)
+            try:  # a cell that raised (an interrupt) runs no graph for what it logged last: that is dropped
+                self.flush(everything=ended)
             finally:
                 self.seq = None
-                self.waiting, self.launched = [], []
+                self.waiting, self.launched, self.ran = [], [], []
                 self.board.close()
 
     def log(self, step: Any, values: dict[str, Any]) -> None:
@@ -100,7 +106,7 @@ class Logger:
             if held is None:
                 self.rows.append((step, name, _number(name, value), now))
             else:
-                self.waiting.append((step, name, held, now))
+                self.waiting.append((step, name, held, now, held._version))
         if self.waiting and not self.queued:
             import torch_xla.core.xla_model as xm
 
@@ -110,21 +116,25 @@ class Logger:
             self.flush()
 
     def _synced(self) -> None:
-        """A step closure: the graph of what was logged before this sync is launched."""
+        """A step closure: the graph of what was logged before this sync is launched (and the last one's has run,
+        the device runs graphs in order: reading those waits for this step's graph no longer than it must)."""
         self.queued = False
-        self.launched += self.waiting
-        self.waiting = []
+        self.ran += self.launched
+        self.launched, self.waiting = self.waiting, []
         if self.seq is not None and time.monotonic() - self.sent >= FLUSH_SECONDS:
             self.flush()
 
     def flush(self, everything: bool = False) -> None:
-        """Send what is read so far as one METRICS event; ``everything`` also reads what no sync launched yet."""
-        held = self.launched + (self.waiting if everything else [])
-        self.launched = []
+        """Send what is read so far as one METRICS event; ``everything``: the cell's end, read what the last sync
+        launched and what no sync launched too."""
+        held, self.ran = self.ran, []
         if everything:
-            self.waiting = []
+            held += self.launched + self.waiting
+            self.launched, self.waiting = [], []
         if held:
-            self.rows += _read(held, counted=not everything or not self._needs_graph(held))
+            held = self._unchanged(held, at_end=everything)
+        if held:
+            self.rows += _read(held, counted=not everything or not any(_need_graphs(held)))
         self.sent = time.monotonic()
         if not self.rows or self.seq is None:
             return
@@ -132,14 +142,20 @@ class Logger:
         self.channel.send(protocol.METRICS, seq=self.seq, rows=rows)
         self.board.write(rows)
 
-    @staticmethod
-    def _needs_graph(held: list[tuple[int, str, Any, float]]) -> bool:
-        import torch_xla
-
-        try:
-            return any(torch_xla._XLAC._check_tensor_need_materialization([value for _s, _n, value, _t in held]))
-        except Exception:  # another torch_xla's API: count the read as the cell's
-            return True
+    def _unchanged(self, held: list[Held], at_end: bool) -> list[Held]:
+        """What nothing changed since it was logged (and, but ``at_end``, what a sync materialized). A value
+        changed in place after it was logged (``total += 1`` after ``log(total=total)``) holds a later value,
+        and may have a pending graph again, which reading would run (a sync of ours). It is dropped, and the rank
+        says so once."""
+        needs = [False] * len(held) if at_end else _need_graphs(held)
+        same = [not pending and entry[2]._version == entry[4] for entry, pending in zip(held, needs)]
+        kept = [entry for entry, unchanged in zip(held, same) if unchanged]
+        if len(kept) < len(held) and not self.told_changed:
+            self.told_changed = True
+            name = next(entry[1] for entry, unchanged in zip(held, same) if not unchanged)
+            print(f"log: {name} was changed in place after it was logged, before it was read, so those values "
+                  f"are not drawn: log a copy ({name}.clone()) or a new tensor", file=sys.stderr)
+        return kept
 
 
 class Board:
@@ -177,16 +193,26 @@ class Board:
             self.writer = None
 
 
-def _read(held: list[tuple[int, str, Any, float]], counted: bool) -> list[tuple[int, str, float, float]]:
+def _need_graphs(held: list[Held]) -> list[bool]:
+    """For each held value: whether reading it would run a graph (torch_xla's own check, no sync)."""
+    import torch_xla
+
+    try:
+        return list(torch_xla._XLAC._check_tensor_need_materialization([entry[2] for entry in held]))
+    except Exception:  # another torch_xla's API: read them all
+        return [False] * len(held)
+
+
+def _read(held: list[Held], counted: bool) -> list[tuple[int, str, float, float]]:
     """Device values, read in one transfer; ``counted``: the transfer is ours, not the cell's."""
     global own_transfers
     import torch_xla
 
-    on_cpu = torch_xla._XLAC._xla_get_cpu_tensors([value for _s, _n, value, _t in held])
+    on_cpu = torch_xla._XLAC._xla_get_cpu_tensors([entry[2] for entry in held])
     if counted:
         with _lock:
             own_transfers += 1
-    return [(step, name, float(value.detach()), when) for (step, name, _v, when), value in zip(held, on_cpu)]
+    return [(entry[0], entry[1], float(value.detach()), entry[3]) for entry, value in zip(held, on_cpu)]
 
 
 def check(name: str, value: Any) -> None:
@@ -196,11 +222,17 @@ def check(name: str, value: Any) -> None:
 
 
 def _device_value(name: str, value: Any) -> Any:
-    """An XLA tensor, checked to hold one number, as it is (a view of it would be a graph of its own); else None."""
+    """An XLA tensor, checked to hold one number; else None.
+
+    Held as it is (a copy would be a graph output of its own), but for a view
+    (``model.weight[0, 0]``): torch_xla regenerates a view from its base when
+    read, so once the base changed (the optimizer's step) reading it would run
+    the pending graph. Its copy is taken now, and computed with the step.
+    """
     if not isinstance(value, torch.Tensor) or value.device.type != "xla":
         return None
     _check_tensor(name, value)
-    return value
+    return value.detach().clone() if value._is_view() else value
 
 
 def _check_tensor(name: str, value: Any) -> None:
