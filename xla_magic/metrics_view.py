@@ -3,8 +3,9 @@
 The request keeps each rank's METRICS rows in the run's record
 (``RunRecord.metrics``); a :class:`Chart` listens to the record's updates
 (as the status panel does), takes the rows it has not seen into running
-sums, and redraws at most every REDRAW_SECONDS, however fast the ranks log:
-in a notebook an SVG of our own (one panel per name, the ranks' mean or
+sums, and redraws at most every REDRAW_SECONDS, however fast the ranks log
+(less often once a drawing costs more than DRAWING_SHARE of that time): in
+a notebook an SVG of our own (one panel per name, the ranks' mean or
 every rank's line, the last value and step in each title) in one display
 area updated in place; elsewhere (a terminal IPython) one text line
 rewritten in place. Plain SVG in HTML renders in JupyterLab, Notebook 7,
@@ -24,6 +25,7 @@ from typing import Any, Callable
 from xla_magic.record import RunRecord
 
 REDRAW_SECONDS = 0.3  # the chart is redrawn at most this often
+DRAWING_SHARE = 0.04  # and drawing takes at most this share of the kernel's time (a long run's chart costs more)
 POINTS = 400  # a line's most points: longer runs are drawn from buckets of steps
 WIDTH, PANEL, LEFT, TOP = 560, 150, 64, 26
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -47,25 +49,34 @@ class Series:
     def __init__(self) -> None:
         self.sums: dict[int, list[float]] = {}  # step -> [sum, count]
         self.ranks: dict[int, dict[int, float]] = {}  # rank -> step -> value
+        self.steps: list[int] = []  # sorted when ``ordered``: steps mostly come in order
+        self.ordered = True
 
     def take(self, rank: int, step: int, value: float) -> None:
         total = self.sums.get(step)
         if total is None:
             self.sums[step] = [value, 1]
+            if self.steps and step < self.steps[-1]:
+                self.ordered = False
+            self.steps.append(step)
         else:
             total[0] += value
             total[1] += 1
         self.ranks.setdefault(rank, {})[step] = value
 
     def mean(self) -> list[tuple[int, float]]:
-        return [(step, total / count) for step, (total, count) in sorted(self.sums.items())]
+        if not self.ordered:
+            self.steps.sort()
+            self.ordered = True
+        sums = self.sums
+        return [(step, sums[step][0] / sums[step][1]) for step in self.steps]
 
     def of_rank(self, rank: int) -> list[tuple[int, float]]:
         return sorted(self.ranks[rank].items())
 
     def last(self, per_rank: bool) -> tuple[int, str]:
         """The last step and what was logged at it (the mean, of the ranks that logged it then; or each rank's)."""
-        step = max(self.sums)
+        step = max(self.steps) if not self.ordered else self.steps[-1]
         if not per_rank:
             total, count = self.sums[step]
             return step, f"{_number(total / count)} at step {step}, mean of {count} rank{'s' if count != 1 else ''}"
@@ -181,6 +192,7 @@ class Chart:
         self.series: dict[str, Series] = {}
         self.taken = 0  # rows of record.metrics taken so far
         self.drawn_at = 0.0
+        self.interval = REDRAW_SECONDS  # grows with what a drawing costs (DRAWING_SHARE)
         self.drawn_rows = 0
         self.handle: Any = None
         self.said: set[str] = set()  # names whose non-finite value was said
@@ -192,7 +204,7 @@ class Chart:
         if record is not self.record or len(record.metrics) == self.taken:
             return
         self.take()
-        if time.monotonic() - self.drawn_at >= REDRAW_SECONDS:
+        if time.monotonic() - self.drawn_at >= self.interval:
             self.draw()
 
     def take(self) -> None:
@@ -208,7 +220,7 @@ class Chart:
         self.taken = len(rows)
 
     def draw(self) -> None:
-        self.drawn_at = time.monotonic()
+        started = self.drawn_at = time.monotonic()
         if not self.series or self.drawn_rows == self.taken:
             return
         self.drawn_rows = self.taken
@@ -218,14 +230,15 @@ class Chart:
             sys.stdout.write("\r\x1b[K" + line)
             sys.stdout.flush()
             self._line_shown = True
-            return
-        from IPython.display import display
-
-        drawing = Drawing(svg(self.series, self.per_rank), line)
-        if self.handle is None:
-            self.handle = display(drawing, display_id=True)
         else:
-            self.handle.update(drawing)
+            from IPython.display import display
+
+            drawing = Drawing(svg(self.series, self.per_rank), line)
+            if self.handle is None:
+                self.handle = display(drawing, display_id=True)
+            else:
+                self.handle.update(drawing)
+        self.interval = max(REDRAW_SECONDS, (time.monotonic() - started) / DRAWING_SHARE)
 
     def close(self) -> None:
         """The cell is over: its last values drawn, and a text line ended."""
