@@ -7,8 +7,10 @@ sums, and redraws at most every REDRAW_SECONDS, however fast the ranks log
 (less often once a drawing costs more than DRAWING_SHARE of that time): in
 a notebook an SVG of our own (one panel per name, the ranks' mean or
 every rank's line, the last value and step in each title) in one display
-area updated in place; elsewhere (a terminal IPython) one text line
-rewritten in place. Plain SVG in HTML renders in JupyterLab, Notebook 7,
+area updated in place; elsewhere (a terminal IPython) one text line,
+rewritten in place on a terminal, and written once at the cell's end where
+the output is not a terminal (a log, a pipe), so it never runs into the
+ranks' lines. Plain SVG in HTML renders in JupyterLab, Notebook 7,
 VS Code, Colab and Kaggle, and needs nothing installed. A NaN or inf is a
 gap in its line, said once per name (its step and rank). A name that some
 ranks log is drawn from those ranks only.
@@ -167,6 +169,13 @@ def text_line(series: dict[str, Series], per_rank: bool) -> str:
     return " · ".join(shown)
 
 
+def _on_a_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # a stream of someone's without isatty, or closed
+        return False
+
+
 class Drawing:
     """The chart as a notebook shows it (HTML with our SVG) and as text (its line)."""
 
@@ -197,7 +206,7 @@ class Chart:
         self.handle: Any = None
         self.said: set[str] = set()  # names whose non-finite value was said
         self.redraws = 0
-        self._line_shown = False
+        self._line = ""  # the text line last drawn (not in a notebook)
 
     def notice(self, record: RunRecord) -> None:
         """A listener of the session's history (history.notify): redraw when due."""
@@ -227,9 +236,10 @@ class Chart:
         self.redraws += 1
         line = text_line(self.series, self.per_rank)
         if not self.notebook:
-            sys.stdout.write("\r\x1b[K" + line)
-            sys.stdout.flush()
-            self._line_shown = True
+            if _on_a_terminal():  # rewritten in place, the cursor left at its start for the ranks' next line
+                sys.stdout.write("\r\x1b[K" + line + "\r")
+                sys.stdout.flush()
+            self._line = line
         else:
             from IPython.display import display
 
@@ -245,8 +255,8 @@ class Chart:
         if len(self.record.metrics) != self.taken:
             self.take()
         self.draw()
-        if self._line_shown:
-            sys.stdout.write("\n")
+        if self._line:  # its last state, as a line of its own (all that output that is not a terminal gets)
+            sys.stdout.write(("\r\x1b[K" if _on_a_terminal() else "") + self._line + "\n")
             sys.stdout.flush()
 
 
