@@ -196,11 +196,10 @@ def shard(tensor, rank, world_size):
 
 # %%
 # %%xla_spawn --out weights
-import importlib.util
-
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from xla_magic import log
 
 model = torch.nn.Linear(3, 1).to(device)
 with torch.no_grad():  # the same start on every rank (no shared random state needed)
@@ -209,7 +208,6 @@ with torch.no_grad():  # the same start on every rank (no shared random state ne
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x = shard(features, rank, world_size).to(device)
 y = shard(targets, rank, world_size).to(device)
-losses = []  # this rank's loss at every step, for the curve
 
 for step in range(40):
     optimizer.zero_grad()
@@ -217,23 +215,7 @@ for step in range(40):
     loss.backward()
     xm.optimizer_step(optimizer)  # average the gradients over all ranks, then step
     torch_xla.sync()  # run the step's graph now
-    losses.append(loss.detach())
-    if step % 10 == 0:
-        mean_loss = strategy.reduce(loss.detach(), reduce_op="mean")
-        if strategy.is_global_zero:
-            print(f"step {step:2d}  loss {mean_loss.item():.5f}")
-
-if strategy.is_global_zero:  # a plot from rank 0 appears in the notebook, as from any cell
-    if importlib.util.find_spec("matplotlib") is None:
-        print("skipped: the loss curve needs matplotlib, which is not installed here (pip install matplotlib)")
-    else:
-        import matplotlib.pyplot as plt
-
-        plt.figure(figsize=(5, 3))
-        plt.semilogy([value.item() for value in losses])
-        plt.xlabel("step")
-        plt.ylabel("loss on rank 0's shard")
-        plt.show()
+    log(loss=loss)  # drawn under the cell as it trains (the ranks' mean), read with no sync of its own
 
 [round(value, 4) for value in model.weight.flatten().tolist() + model.bias.tolist()]
 

@@ -29,7 +29,7 @@
 #
 # Set-up, from the repository root: `make demo` (or `pip install ".[local]"`
 # into an environment with Jupyter). Cells that need a package this install
-# does not bring (matplotlib, Lightning) skip what needs it with a one-line note.
+# does not bring (Lightning) skip what needs it with a one-line note.
 
 # %%
 # %load_ext xla_magic
@@ -84,19 +84,18 @@ def shard(tensor, rank, world_size):
 # plain torch_xla training code: `xm.optimizer_step` averages the gradients over
 # all ranks before each step, so every rank takes the same step and ends with the
 # same weights. On a TPU that is torch_xla's all-reduce; in the simulation the
-# same call travels between the rank processes over gloo. `strategy.reduce`
-# averages the loss for the report, and rank 0 draws its loss curve with
-# matplotlib: a rank's plots and `display()` calls appear in the notebook, as
-# from any cell. (`pip install ".[local]"` brings no matplotlib: where it is not
-# installed, rank 0 says so in one line instead, and the run goes on.)
+# same call travels between the rank processes over gloo. `log(loss=loss)`
+# draws the ranks' mean loss under the cell while it trains, updated in place,
+# with no `.item()`: each value is read once the step's graph has run, so
+# watching the run adds no sync (see the docs' "Live training metrics" page;
+# `%xla_metrics` returns the values).
 
 # %%
 # %%xla_spawn --devices 4 --out weights
-import importlib.util
-
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+from xla_magic import log
 
 model = torch.nn.Linear(3, 1).to(device)
 with torch.no_grad():  # the same start on every rank (no shared random state needed)
@@ -105,7 +104,6 @@ with torch.no_grad():  # the same start on every rank (no shared random state ne
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x = shard(features, rank, world_size).to(device)
 y = shard(targets, rank, world_size).to(device)
-losses = []  # this rank's loss at every step, for the curve
 
 for step in range(40):
     optimizer.zero_grad()
@@ -113,23 +111,7 @@ for step in range(40):
     loss.backward()
     xm.optimizer_step(optimizer)  # average the gradients over all ranks, then step
     torch_xla.sync()  # run the step's graph now
-    losses.append(loss.detach())
-    if step % 10 == 0:
-        mean_loss = strategy.reduce(loss.detach(), reduce_op="mean")
-        if strategy.is_global_zero:
-            print(f"step {step:2d}  loss {mean_loss.item():.5f}")
-
-if strategy.is_global_zero:  # a plot from rank 0 appears in the notebook, as from any cell
-    if importlib.util.find_spec("matplotlib") is None:
-        print("skipped: the loss curve needs matplotlib, which is not installed here (pip install matplotlib)")
-    else:
-        import matplotlib.pyplot as plt
-
-        plt.figure(figsize=(5, 3))
-        plt.semilogy([value.item() for value in losses])
-        plt.xlabel("step")
-        plt.ylabel("loss on rank 0's shard")
-        plt.show()
+    log(loss=loss)  # drawn under the cell as it trains (the ranks' mean), read with no sync of its own
 
 [round(value, 4) for value in model.weight.flatten().tolist() + model.bias.tolist()]
 

@@ -7,12 +7,31 @@ imports run in the kernel and never import torch_xla.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from xla_magic.kernel_strategy import strategy
 
-__all__ = ["strategy", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["strategy", "log", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
+
+def log(step: int | None = None, **values: Any) -> None:
+    """Record named numbers from a ``%%xla_spawn`` cell, on any rank: ``log(loss=loss, lr=0.1)``.
+
+    A value may be an XLA tensor of one element (read once a sync the cell
+    makes anyway has run its graph: logging adds none), a Python or NumPy
+    number or a one-element array. ``step`` defaults to the rank's next
+    (counted from 0 in each cell). The kernel draws the values under the cell,
+    and ``%xla_metrics`` returns them. Anything but a number raises TypeError.
+    """
+    # The launcher package exists only in rank processes; never import it here.
+    module = sys.modules.get("xla_magic.launcher.metrics")
+    logger = None if module is None else module.current()
+    if logger is None:
+        raise RuntimeError("log() records values from inside a %%xla_spawn cell, on its ranks; the kernel has "
+                           "none to record. Call it in the cell, or in a function that the cell calls.")
+    logger.log(step, values)
+
 
 def load_ipython_extension(ipython: Any) -> None:
     from xla_magic.magics import XlaMagics

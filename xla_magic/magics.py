@@ -243,6 +243,15 @@ class XlaMagics(Magics):
         help="record the cell on every rank with torch_xla's profiler and show a timeline of where each rank's time "
         "went (compiles, executions, transfers, your xp.Trace annotations); %%xla_profile shows it again",
     )
+    @argument(
+        "--metrics", choices=("mean", "ranks"), default="mean",
+        help="what the chart of the values the cell log()s draws: the ranks' mean (default) or every rank's line",
+    )
+    @argument(
+        "--metrics-dir", default=None, metavar="DIR",
+        help="also write what the cell log()s as TensorBoard event files, in DIR/run-N/rank-R (for %%tensorboard "
+        "--logdir DIR); needs the tensorboard package where the ranks run",
+    )
     @cell_magic
     def xla_spawn(self, line: str, cell: str) -> Any:
         """Run this cell on every XLA device, one rank per device.
@@ -279,7 +288,7 @@ class XlaMagics(Magics):
                 self.shell.user_ns, self.shell.user_ns_hidden, live_lines=in_notebook(self.shell),
                 spmd=spmd_options(args), xla_report=args.xla_report, profile=args.profile,
                 hang_after=args.hang_after, compile_cache=args.compile_cache, after=args.after,
-                background=self.shell if args.bg else None,
+                background=self.shell if args.bg else None, metrics=args.metrics, metrics_dir=args.metrics_dir,
             )
         except SyntaxError as exc:  # the cell's own mistake, found before anything ran: shown as a plain cell's
             shown = syntax_error_in_cell(exc.with_traceback(None), transform(cell), self.shell, sys._getframe())

@@ -59,6 +59,9 @@ class RunRecord:
     # Since when (time.monotonic, on the host that asked) each rank has been where its last answer put it.
     arrived: dict[int, float] = field(default_factory=dict)
     profile: str = ""  # --profile: the directory its ranks' traces went to; empty when not profiled
+    # What its cells logged (log(): launcher/metrics.py), in the order it came: (rank, step, name, value, time).
+    # %xla_metrics and the chart (metrics_view.py) read it; a run's log on disk would keep it with its output.
+    metrics: list[tuple[int, int, str, float, float]] = field(default_factory=list)
 
     def take(self, kind: str, fact: dict[str, Any]) -> None:
         """A rank process's fact about the cell, for every rank it covers: its account of what XLA did

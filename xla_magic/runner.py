@@ -12,13 +12,15 @@ several hosts holds one with a local pool, and knows nothing of the session.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, place, post_mortem, probe, profile_view, rank_input, sharding, xla_report
+from xla_magic import (compile_cache, metrics_view, payload, place, post_mortem, probe, profile_view, rank_input,
+                       sharding, xla_report)
 from xla_magic.pools import policy
 from xla_magic.wire import protocol
 from xla_magic.display import RankError, RunInterrupted
@@ -114,6 +116,8 @@ class Runner:
         run_id = cell.run_id or self.history.next_run_id()
         # --profile: each rank process's trace goes to a folder of its own in there (launcher/profiling.py)
         profiled = {"profile": self.workdir.new(f"profile-{run_id}-")} if cell.profile else {}
+        # --metrics-dir: each rank's TensorBoard files in DIR/run-N/rank-R (launcher/metrics.py)
+        board = {"metrics_dir": os.path.join(os.path.abspath(cell.metrics_dir), f"run-{run_id}")} if cell.metrics_dir else {}
         filename = f"<xla_spawn cell {run_id}>"
         has_result, names, code = payload.analyse(cell.source, filename)
         values = payload.select_names(names, cell.user_ns, cell.hidden)
@@ -126,7 +130,7 @@ class Runner:
             transformed = {"code": code} if code != cell.source else {}
             frame = protocol.encode(protocol.CELL, seq=seq, run_id=run_id, source=cell.source, filename=filename,
                                     has_result=has_result, results_to=ranks.results.prefix,
-                                    xla_report=report != "off", **profiled, **transformed,
+                                    xla_report=report != "off", **profiled, **board, **transformed,
                                     **place.changed(here, ranks.place), **shipping)
             launching = ranks.state == "starting"
             record = self.record(run_id, cell.source, ranks)
@@ -145,6 +149,10 @@ class Runner:
             else:
                 self.history.remember(record)
             request.start()
+            # What its ranks log(), drawn under it as it comes (one host's part of a world draws nothing).
+            chart = metrics_view.Chart(record, cell.metrics == "ranks", cell.live_lines) if ranks.world is None else None
+            if chart is not None:
+                self.history.listeners.append(chart.notice)
             # --profile: a trace that comes undigested is read as soon as its rank says where it is (profile_view.Reader).
             reader = profile_view.Reader() if draws else None
             if reader is not None:
@@ -158,6 +166,9 @@ class Runner:
                     error.not_kept = post_mortem.why_not(ranks, error)
                 raise
             finally:
+                if chart is not None:
+                    self.history.listeners.remove(chart.notice)
+                    chart.close()
                 if launching:
                     self.tell_cache(ranks)
                 if ranks.world is None:  # one host's part of a world says nothing: the kernel tells every host's

@@ -83,6 +83,8 @@ class Session:
         compile_cache: CacheSetting | None = None,
         after: bool = False,
         background: Any = None,
+        metrics: str = "mean",
+        metrics_dir: str | None = None,
     ) -> Any:
         """A ``%%xla_spawn`` cell: in the pool while one runs (``fresh``: in new ranks where it runs), else in new ranks.
 
@@ -91,7 +93,8 @@ class Session:
         background, and its value is the run's handle.
         """
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
-                       profile=profile, hang_after=hang_after, compile_cache=compile_cache)
+                       profile=profile, hang_after=hang_after, compile_cache=compile_cache, metrics=metrics,
+                       metrics_dir=metrics_dir)
         pool = self.current_pool()
         if after and (pool is None or fresh):
             raise UsageError("--after waits for the pool's background run, then runs the cell in the pool: "

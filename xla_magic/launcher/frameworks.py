@@ -29,6 +29,9 @@ simulation, the tpu launch path's CPU threads), so it takes the TPU's
 branches: the local ordinal, and the TPU's bf16 and gradient-sync settings.
 Nothing else in Accelerate, transformers or torch_xla is told so.
 
+What Lightning's ``self.log``, the HF Trainer and ``accelerator.log`` log is
+drawn under the cell as ``log`` draws it (framework_metrics.py).
+
 Nothing of Lightning or Accelerate is imported here: ``install`` patches the modules that
 are already imported and hooks the import of the others, so a cell that
 never imports Lightning never pays for it. ``lightning.*`` and the standalone
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from xla_magic.launcher import current
+from xla_magic.launcher import current, framework_metrics
 
 _FABRIC_ROOTS = ("lightning.fabric", "lightning_fabric")
 _PYTORCH_ROOTS = ("lightning.pytorch", "pytorch_lightning")
@@ -288,6 +291,9 @@ def _patches() -> dict[str, Callable[[ModuleType], None]]:
     for root in _PYTORCH_ROOTS:
         table[f"{root}.strategies.xla"] = _patch_strategy
         table[f"{root}.trainer.call"] = _patch_trainer_call
+        table[f"{root}.core.module"] = framework_metrics.patch_lightning_module  # what they log, drawn
+    table["transformers.trainer"] = framework_metrics.patch_hf_trainer
+    table["accelerate.accelerator"] = framework_metrics.patch_accelerator
     return table
 
 

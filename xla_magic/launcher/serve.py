@@ -14,15 +14,14 @@ so the kernel can ignore replies to a request it gave up on. A set-up that
 fails is reported under the seq of the request waiting for it: the first
 request's, or 0 (a pool's start).
 
-A rank's namespace, its device and everything torch_xla caches (compiled
-graphs) live as long as the rank. Interrupts (interrupt.py): SIGINT stops
-the cell of the request being answered and nothing else. Output goes
-through capture.py. Results and pulled values travel with large tensors
-and arrays in shared memory, under the prefix the request names. A cell
-can have the kernel display something (``show_sharding`` in an SPMD
-process, or anything its IPython shell displays: shell.py): a DISPLAY
-event, answered by SHOWN once it is shown. A cell runs in the kernel's
-directory, with the kernel's sys.path (place.py).
+A rank's namespace, its device and everything torch_xla caches (compiled graphs)
+live as long as the rank. Interrupts (interrupt.py): SIGINT stops the cell of
+the request being answered and nothing else. Output goes through capture.py.
+Results and pulled values travel with large tensors and arrays in shared memory,
+under the prefix the request names. A cell can have the kernel display something
+(``show_sharding`` in an SPMD process, or anything its IPython shell displays:
+shell.py): a DISPLAY event, answered by SHOWN once it is shown; what it logs goes
+as METRICS (metrics.py). It runs in the kernel's directory and sys.path (place.py).
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ import types
 from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic.wire import protocol, transport
-from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, place, profiling,
-                                rank as rank_module, shell, stacks, xla_account, xla_analysis)
+from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, metrics, place,
+                                profiling, rank as rank_module, shell, stacks, xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -202,6 +201,7 @@ class RankServer:
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         displays.set_display(self.display)
+        self.metrics = metrics.Logger(rank, channel, self.namespace)  # log() in its cells (metrics.py)
         self.home = shell.Home(self.namespace)  # its IPython shell, made on first use
         shell.enter(self.home)
         self.console = debugger.Console(self)  # input(), getpass, stdin and pdb ask at the kernel's prompt
@@ -390,8 +390,8 @@ class RankServer:
             memory.start()
         try:
             self.phase = "cell"
-            with self._accounted(fields), self._profiled(fields), interrupt.Cell():  # account read outside the trace
-                value = self.home.run(fields["source"], body, last)
+            with self._accounted(fields), self.metrics.cell(fields), self._profiled(fields), interrupt.Cell():
+                value = self.home.run(fields["source"], body, last)  # (account, logged values: read outside the trace)
             self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
                 self.closing()

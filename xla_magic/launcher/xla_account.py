@@ -108,10 +108,14 @@ def read_counters() -> dict[str, int]:
 
 
 def _own_counts() -> dict[str, int]:
-    """What the CPU simulation's own copies added to the counters (empty outside it)."""
+    """What the CPU simulation's own copies and the logger's reads added to the counters (empty outside them)."""
     exchange = sys.modules.get("xla_magic.launcher.simulate.exchange")
     active = getattr(exchange, "_active", None) if exchange is not None else None
-    return dict(active.own_counts) if active is not None else {}
+    counts = dict(active.own_counts) if active is not None else {}
+    metrics = sys.modules.get("xla_magic.launcher.metrics")  # the logged values it read (log(): metrics.py)
+    if metrics is not None and metrics.own_transfers:
+        counts[TRANSFERS] = counts.get(TRANSFERS, 0) + metrics.own_transfers
+    return counts
 
 
 def _seconds_since(names: tuple[str, ...], since: float, count: int) -> float:

@@ -38,6 +38,8 @@ class Cell:
     compile_cache: compile_cache.CacheSetting | None = None  # --compile-cache, for new ranks; None: as the default
     run_id: int | None = None  # a background run's id, given when it began (None: the runner numbers it)
     ask: Any = None  # how its ranks' questions are asked (rank_input.Ask; None: as the runner asks)
+    metrics: str = "mean"  # --metrics: the chart of what the ranks log(), their mean ("mean") or every rank's ("ranks")
+    metrics_dir: str | None = None  # --metrics-dir: where the ranks also write what they log, for TensorBoard
 
 
 @dataclass(frozen=True)

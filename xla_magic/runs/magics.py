@@ -1,4 +1,4 @@
-"""``%xla_runs`` and ``%xla_run``: the session's background runs, listed and acted on. Runs in the kernel."""
+"""``%xla_runs``, ``%xla_run``, ``%xla_metrics``: the runs, listed, acted on, and what they logged. Runs in the kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from xla_magic import metrics_view
 from xla_magic.runs.background import first_line
 
 
@@ -77,3 +78,25 @@ class RunMagics(Magics):
             print(f"run {run.id} stopped in {time.monotonic() - began:.1f} s")
             return None
         return run.wait()
+
+    @magic_arguments()
+    @argument("run", nargs="?", type=int, default=None,
+              help="the run whose values to return (its number, as %%xla_status lists it); default: the last cell's")
+    @line_magic
+    def xla_metrics(self, line: str) -> Any:
+        """The values a %%xla_spawn cell's ranks logged with ``log(...)``: a pandas DataFrame, or a dict of lists.
+
+        Columns: run, rank, step, name, value, time (the rank's clock when it
+        logged). A dict of those lists where pandas is not installed.
+        """
+        args = parse_argstring(self.xla_metrics, line)
+        if args.run is None:
+            record = self.session.last_cell
+            if record is None:
+                raise UsageError("no %%xla_spawn cell has run yet: run one that calls log(...), then %xla_metrics")
+        else:
+            record = next((r for r in self.session.history if r.run_id == args.run), None)
+            if record is None:
+                kept = ", ".join(str(r.run_id) for r in self.session.history) or "none"
+                raise UsageError(f"no run {args.run} is kept (the recent runs kept: {kept}); %xla_status lists them")
+        return metrics_view.table([record])

@@ -80,6 +80,9 @@ XLA = "xla"
 STACKS = "stacks"
 # rank -> kernel, with a cell's reply under --profile: where its process's trace files are (launcher/profiling.py)
 PROFILE = "profile"
+# rank -> kernel, while a cell runs: values its cell logged (launcher/metrics.py), a batch of ``rows``, each
+# (step, name, value, time), never one event per log call
+METRICS = "metrics"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"
