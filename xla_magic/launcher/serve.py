@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic.wire import protocol, transport
 from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, place, profiling,
-                                rank as rank_module, shell, stacks, xla_account, xla_analysis)
+                                rank as rank_module, memory, shell, stacks, xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -499,8 +499,8 @@ class RankServer:
             seq=seq,
             type=type(exc).__name__,
             message=rank_module.exception_message(exc),
-            traceback=rank_module.format_error(exc, self._filename)
-            if with_traceback and not isinstance(exc, place.PlaceError) else "",
+            traceback=rank_module.format_error(exc, self._filename) + memory.explain(exc, self.namespace, self.rank)
+            if with_traceback and not isinstance(exc, place.PlaceError) else "",  # a device OOM: what held it
             post_mortem=self.post_mortem is not None and with_traceback and (self.parks or not self.serving.one_shot),
         )
 

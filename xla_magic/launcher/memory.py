@@ -1,0 +1,288 @@
+"""What holds a rank's device memory, named the way the user names it. Runs in a rank (process or thread).
+
+``holders`` walks what the user can name (the rank's namespace and the
+frames of the running cell): XLA tensors by their variable (``x``,
+``batch[0]``), a module's parameters and buffers (``model.layers.3.weight``)
+and their gradients (``model.layers.3.weight.grad``), an optimizer's state
+(``opt.state[model.layers.3.weight].exp_avg``). Everything it reads is
+metadata (dtype, shape, torch_xla's tensor id): nothing syncs, compiles or
+waits for the device. ``everything=True`` also walks every object the
+garbage collector tracks for XLA tensors no name reaches ("unnamed").
+
+Sizes are ``numel * element_size`` (``bytes``) and that padded to a TPU's
+tiles (``padded``): the last two dimensions to (8·4/itemsize, 128), a
+vector as one row of them. The simulation counts the padded size against
+its limit (simulate/memory.py); the views show both.
+
+``explain`` turns a device out-of-memory error into the text shown under
+the cell: the holders, the totals by kind, what dominates and what to do.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import types
+from typing import Any, Iterator
+
+import torch
+
+KINDS = ("parameters", "gradients", "optimizer state", "other")
+DEPTH = 3  # how deep into lists, tuples, dicts and plain objects' attributes the walk goes
+SHOWN = 8  # holders named in an out-of-memory explanation
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Error allocating device buffer", "Ran out of memory in memory space")
+
+
+def padded_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes a TPU lays ``shape`` out in: the minor two dimensions padded to tiles (rank 0: unpadded)."""
+    if not shape:
+        return itemsize
+    rows = shape[-2] if len(shape) >= 2 else 1
+    sublanes = 8 * max(1, 4 // itemsize) if itemsize < 4 else 8
+    outer = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    return outer * _round_up(rows, sublanes) * _round_up(shape[-1], 128) * itemsize
+
+
+def _round_up(value: int, to: int) -> int:
+    return -(-value // to) * to if value else 0
+
+
+def _is_xla(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+
+
+class _Walk:
+    """One walk over the roots: each XLA tensor once (by torch_xla's tensor id), with its first name and kind."""
+
+    def __init__(self) -> None:
+        self.found: dict[int, dict[str, Any]] = {}
+        self.seen_objects: set[int] = set()
+        self.kinds: dict[int, tuple[str, str]] = {}  # id(tensor) -> (kind, name) decided by its owner
+
+    def tensor(self, value: torch.Tensor, name: str, kind: str) -> None:
+        key = _tensor_id(value)
+        if key in self.found:
+            return
+        shape = tuple(value.shape)
+        itemsize = value.element_size()
+        size = value.numel() * itemsize
+        self.found[key] = {"name": name, "kind": kind, "shape": list(shape),
+                           "dtype": str(value.dtype).removeprefix("torch."), "bytes": size,
+                           "padded": padded_bytes(shape, itemsize), "tensor": value}
+
+    def module(self, value: torch.nn.Module, name: str) -> None:
+        for pname, param in value.named_parameters(remove_duplicate=True):
+            if _is_xla(param):
+                self.tensor(param, f"{name}.{pname}", "parameters")
+                if param.grad is not None and _is_xla(param.grad):
+                    self.tensor(param.grad, f"{name}.{pname}.grad", "gradients")
+        for bname, buffer in value.named_buffers():
+            if _is_xla(buffer):
+                self.tensor(buffer, f"{name}.{bname}", "other")
+
+    def optimizer(self, value: torch.optim.Optimizer, name: str, param_names: dict[int, str]) -> None:
+        for group in value.param_groups:
+            for param in group["params"]:
+                state = value.state.get(param) if hasattr(value.state, "get") else None
+                if not state:
+                    continue
+                pname = param_names.get(id(param), f"<{'x'.join(map(str, param.shape))}>")
+                for key, item in state.items():
+                    if _is_xla(item):
+                        self.tensor(item, f"{name}.state[{pname}].{key}", "optimizer state")
+
+    def value(self, value: Any, name: str, depth: int, param_names: dict[int, str]) -> None:
+        if _is_xla(value):
+            self.tensor(value, name, "other")
+            return
+        if isinstance(value, (types.ModuleType, type, types.FunctionType, str, bytes, int, float)) or value is None:
+            return
+        if id(value) in self.seen_objects:
+            return
+        self.seen_objects.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            self.module(value, name)
+        elif isinstance(value, torch.optim.Optimizer):
+            self.optimizer(value, name, param_names)
+        elif depth >= DEPTH:
+            return
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value[:4096]):
+                self.value(item, f"{name}[{index}]", depth + 1, param_names)
+        elif isinstance(value, dict):
+            for index, (key, item) in enumerate(list(value.items())[:4096]):
+                label = repr(key) if isinstance(key, (str, int)) else f"<{type(key).__name__}>"
+                self.value(item, f"{name}[{label}]", depth + 1, param_names)
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+            try:
+                attributes = list(vars(value).items())
+            except TypeError:
+                return
+            for attribute, item in attributes:
+                if not attribute.startswith("__"):
+                    self.value(item, f"{name}.{attribute}", depth + 1, param_names)
+
+
+def _tensor_id(value: torch.Tensor) -> int:
+    try:
+        import torch_xla
+
+        return int(torch_xla._XLAC._xla_get_tensor_id(value))
+    except Exception:  # a tensor torch_xla cannot name (a functional wrapper): Python's identity
+        return -id(value)
+
+
+def _roots(namespace: dict[str, Any], frame: types.FrameType | None) -> Iterator[tuple[str, Any]]:
+    """The names a user can see: the namespace's, then the locals of the running cell's frames."""
+    for name, value in list(namespace.items()):
+        if not name.startswith("_"):
+            yield name, value
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<xla_") and frame.f_code.co_name != "<module>":
+            try:
+                local = dict(frame.f_locals)
+            except Exception:
+                local = {}
+            for name, value in local.items():
+                yield name, value
+        frame = frame.f_back
+
+
+def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
+            everything: bool = False) -> list[dict[str, Any]]:
+    """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
+
+    Modules and optimizers are walked first, so a parameter is named by its
+    module path even when a variable also holds it.
+    """
+    walk = _Walk()
+    roots = list(_roots(namespace, frame))
+    param_names: dict[int, str] = {}
+    for name, value in roots:
+        if isinstance(value, torch.nn.Module):
+            for pname, param in value.named_parameters():
+                param_names.setdefault(id(param), f"{name}.{pname}")
+            walk.value(value, name, 0, param_names)
+    for name, value in roots:
+        if isinstance(value, torch.optim.Optimizer):
+            walk.value(value, name, 0, param_names)
+    for name, value in roots:
+        walk.value(value, name, 0, param_names)
+    if everything:
+        for value in gc.get_objects():
+            if _is_xla(value) and _tensor_id(value) not in walk.found:
+                walk.tensor(value, "unnamed", "other")
+    found = list(walk.found.values())
+    _mark_pending(found)
+    found.sort(key=lambda holder: -holder["padded"])
+    return found
+
+
+def _mark_pending(found: list[dict[str, Any]]) -> None:
+    """Which tensors are still a graph to run (no buffer yet): metadata, read without a sync."""
+    try:
+        import torch_xla
+
+        pending = torch_xla._XLAC._check_tensor_need_materialization([holder["tensor"] for holder in found])
+    except Exception:
+        pending = [False] * len(found)
+    for holder, waiting in zip(found, pending):
+        holder["pending"] = bool(waiting)
+
+
+def totals(found: list[dict[str, Any]]) -> dict[str, int]:
+    """Bytes (padded) by kind, of the tensors that hold a buffer now."""
+    sums = dict.fromkeys(KINDS, 0)
+    for holder in found:
+        if not holder.get("pending"):
+            sums[holder["kind"]] += holder["padded"]
+    return sums
+
+
+def sample(namespace: dict[str, Any], frame: types.FrameType | None = None, everything: bool = True,
+           limit: int = 200) -> dict[str, Any]:
+    """%xla_memory's answer: the holders (the ``limit`` largest, without the tensors), totals and the runtime's figures."""
+    found = holders(namespace, frame, everything)
+    answer: dict[str, Any] = {
+        "holders": [{key: value for key, value in holder.items() if key != "tensor"} for holder in found[:limit]],
+        "count": len(found),
+        "totals": totals(found),
+        "device": device_figures(),
+    }
+    return answer
+
+
+def device_figures() -> dict[str, int] | None:
+    """The runtime's (or the simulation's) bytes_used, bytes_limit, peak_bytes_used; None where it reports none."""
+    try:
+        import torch_xla
+
+        info = torch_xla._XLAC._xla_memory_info(str(torch_xla.device()))
+        return {key: int(value) for key, value in dict(info).items() if isinstance(value, (int, float))} or None
+    except Exception:
+        return None
+
+
+# --- an out-of-memory error, explained --------------------------------------------------
+
+
+def is_device_oom(exc: BaseException) -> bool:
+    try:
+        text = str(exc)
+    except Exception:
+        return False
+    return any(marker in text for marker in OOM_MARKERS)
+
+
+def human(size: float) -> str:
+    """Bytes as XLA writes them in its messages: 196.00M, 1.50G, 512B."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f}{unit}"
+    return f"{int(size)}B"
+
+
+def dominant(sums: dict[str, int], found: list[dict[str, Any]], temporaries: int) -> str:
+    """What fills the device: "weights" (parameters, gradients and optimizer state), "temporaries", or "leftovers"."""
+    weights = sums["parameters"] + sums["gradients"] + sums["optimizer state"]
+    others = sums["other"]
+    if temporaries >= max(weights, others):
+        return "temporaries"
+    return "weights" if weights >= others else "leftovers"
+
+
+# What the line under an out-of-memory error says dominates (display.py chooses the advice by it).
+MOSTLY = {
+    "weights": "Most of it: parameters, gradients and optimizer state.",
+    "temporaries": "Most of it: the graph's temporaries and activations.",
+    "leftovers": "Most of it: tensors left from earlier cells ({names}).",
+}
+
+
+def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
+    """The lines shown under the cell for a device out-of-memory error ('' for any other error)."""
+    if not is_device_oom(exc):
+        return ""
+    tb = exc.__traceback__
+    frame = None
+    while tb is not None:
+        frame = tb.tb_frame
+        tb = tb.tb_next
+    try:
+        found = holders(namespace, frame)
+    except Exception as broken:
+        return f"\nDevice memory on rank {rank}: the holders could not be read ({type(broken).__name__}: {broken})."
+    sums = totals(found)
+    temporaries = int(getattr(exc, "temporaries", 0) or 0)
+    lines = ["", f"Device memory on rank {rank} when it ran out (as %xla_memory names it):"]
+    for holder in [h for h in found if not h.get("pending")][:SHOWN]:
+        lines.append(f"  {human(holder['padded']):>9}  {holder['name']}  {holder['dtype']}{holder['shape']}  "
+                     f"({holder['kind']})")
+    lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
+                 + (f", the graph's temporaries {human(temporaries)}" if temporaries else ""))
+    why = dominant(sums, found, temporaries)
+    names = [h["name"] for h in found if h["kind"] == "other" and not h.get("pending") and h["name"] != "unnamed"]
+    lines.append(MOSTLY[why].format(names=", ".join(names[:4]) or "unnamed"))
+    lines.append("The rank survived it: a pool keeps its ranks and their names; free memory and run the cell again.")
+    return "\n".join(lines)
