@@ -60,3 +60,78 @@ def test_past_a_small_limit_the_sync_raises_the_tpus_words_and_the_pool_survives
                                                       "xm = __import__('torch_xla.core.xla_model').core.xla_model\n"
                                                       "(tuple(keep.shape), xm.get_memory_info(device)['bytes_used'])")
     assert values == [((256, 256), 256 * 256 * 4)] * 2
+
+
+MODEL = """
+import torch, torch_xla
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)).to(device)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+batch = torch.randn(16, 64, device=device)
+model(batch).sum().backward()
+opt.step()
+torch_xla.sync()
+expected = {name: (p.numel() * p.element_size(), str(p.dtype).removeprefix('torch.'), list(p.shape))
+            for name, p in model.named_parameters()}
+expected
+"""
+
+
+def test_xla_memory_names_parameters_gradients_and_optimizer_state_with_their_sizes(ip, spawn, pool):
+    from xla_magic.memory_view import human
+
+    expected = spawn("", MODEL).value[0]
+    with capture_output() as shown:
+        ip.run_line_magic("xla_memory", "--rank 1")
+    text = shown.stdout
+    assert text.startswith("Device memory of rank 1: ")
+    assert "of 16.00G, peak" in text
+    lines = text.splitlines()
+
+    def line_of(name: str, kind: str) -> str:
+        found = [line for line in lines if f"  {name}  " in line and line.rstrip().endswith(kind)]
+        assert len(found) == 1, (name, text)
+        return found[0]
+
+    for name, (size, dtype, shape) in expected.items():
+        shape_text = f"{dtype}[{', '.join(map(str, shape))}]"
+        for named, kind in ((f"model.{name}", "parameters"), (f"model.{name}.grad", "gradients"),
+                            (f"opt.state[model.{name}].exp_avg", "optimizer state"),
+                            (f"opt.state[model.{name}].exp_avg_sq", "optimizer state")):
+            line = line_of(named, kind)
+            assert line.split()[0] == human(size) and shape_text in line
+    assert "  batch  float32[16, 64]  other" in text
+    weights = sum(size for size, _dtype, _shape in expected.values())
+    assert weights == (64 * 128 + 128 + 128 * 32 + 32) * 4
+    assert "By kind (on a TPU): parameters " in text
+    assert "The largest compiled graph (cell " in text and "temporaries" in text
+    # without --rank: rank 0 in full and every rank's totals
+    with capture_output() as both:
+        ip.run_line_magic("xla_memory", "")
+    assert both.stdout.startswith("Device memory of rank 0: ") and "Every rank:\n  rank 0: " in both.stdout \
+        and "\n  rank 1: " in both.stdout
+
+
+def test_xla_memory_reads_without_a_sync_or_a_compile(ip, spawn, pool):
+    """Asked between two cells, %xla_memory leaves the next cell's XLA account as it would be without it."""
+    spawn("", "import torch, torch_xla\nw = torch.ones(8, 8, device=device)\ntorch_xla.sync()")
+    spawn("", "pending = w * 3")  # a graph not yet run: named, with no buffer
+    with capture_output() as shown:
+        ip.run_line_magic("xla_memory", "--rank 0")
+    assert "  pending  float32[8, 8]  other  (not computed yet: no buffer)" in shown.stdout
+    run = spawn("", "w.shape")
+    record = ip._xla_magic_session.history[-1]
+    assert [state.xla for state in record.ranks.values()] == [None, None]  # XLA did nothing in the cell
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--rank 2", r"--rank must be between 0 and 1 \(the pool has 2 ranks\)"),
+    ("--rank -1", "--rank"),
+])
+def test_xla_memory_refuses_a_rank_the_pool_does_not_have(ip, pool, line, message):
+    with pytest.raises(UsageError, match=message):
+        ip.run_line_magic("xla_memory", line)
+
+
+def test_xla_memory_without_a_pool_says_how_to_start_one(ip):
+    with pytest.raises(UsageError, match=r"no pool is running.*%xla_pool start"):
+        ip.run_line_magic("xla_memory", "")

@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 from IPython.display import display
 
-from xla_magic import compile_cache, profile_view, troubleshooting, widget, xla_report
+from xla_magic import compile_cache, memory_view, profile_view, troubleshooting, widget, xla_report
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted, in_notebook, syntax_error_in_cell
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, parse_hosts
 from xla_magic.payload import transform
@@ -342,6 +342,23 @@ class XlaMagics(Magics):
         """
         args = parse_argstring(self.xla_stacks, line)
         for text in self.session.stacks(args.rank, args.all, args.locals):
+            print(text)
+
+    @magic_arguments()
+    @argument("-r", "--rank", type=rank_number, default=None,
+              help="this rank's holders (default: rank 0's, and every rank's totals)")
+    @line_magic
+    def xla_memory(self, line: str) -> None:
+        """Show what holds a pool's device memory, named: variables, module parameters, gradients, optimizer state.
+
+        Each rank's live XLA tensors by size (a notebook variable, a module's
+        ``model.layers.3.weight``, ``opt.state[...].exp_avg``, or
+        "unnamed"), totals by kind, the device's used, limit and peak, and
+        the largest compiled graph's own needs. Read without a sync or a
+        compile, between cells or while one runs. See the docs' "Device memory".
+        """
+        args = parse_argstring(self.xla_memory, line)
+        for text in memory_view.report(self.session.current_pool(), self.session.history, args.rank):
             print(text)
 
     @magic_arguments()

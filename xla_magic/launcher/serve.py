@@ -526,8 +526,8 @@ def serve(
     channel = protocol.Channel(sockets.events, takes_fds=True)
     served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
     if os.environ.get(stacks.OFF_SWITCH) != "0":  # off only to measure what it costs (benchmarks/bench_stacks.py)
-        stacks.Sampler(rank, sockets.stacks, threading.get_ident(),
-                       lambda: served[0].sampled_phase() if served else "setup")
+        stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].sampled_phase() if served
+                       else "setup", lambda: served[0].namespace if served else {})
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor
