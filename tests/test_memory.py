@@ -135,3 +135,22 @@ def test_xla_memory_refuses_a_rank_the_pool_does_not_have(ip, pool, line, messag
 def test_xla_memory_without_a_pool_says_how_to_start_one(ip):
     with pytest.raises(UsageError, match=r"no pool is running.*%xla_pool start"):
         ip.run_line_magic("xla_memory", "")
+
+
+def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, small_pool):
+    """950,272 bytes (225 rows padded to 232 of f32[.., 1024]) of a 1 MiB device: 90%, said under the cell."""
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\nx = torch.ones(225, 1024, device=device)\n"
+                                            "torch_xla.sync()")
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert said == ["XLA: peak device memory 928.00K per rank (90% of rank 0's 1.00M: %xla_memory names what holds it)"]
+    record = ip._xla_magic_session.history[-1]
+    for state in record.ranks.values():
+        assert state.memory["bytes_used"] == state.memory["cell_peak_bytes"] == 232 * 1024 * 4
+    with capture_output() as status:
+        ip.run_line_magic("xla_status", "--text")
+    assert "928.0 KiB of 1.0 MiB, peak 928.0 KiB (928.0 KiB in the cell)" in status.stdout
+    # a cell that holds no more is quiet again
+    with capture_output() as quiet:
+        ip.run_cell_magic("xla_spawn", "", "del x\ntorch_xla.sync()")
+    assert not [line for line in quiet.stdout.splitlines() if line.startswith("XLA:")]

@@ -168,3 +168,35 @@ def _one_line(label: str, answer: dict[str, Any]) -> str:
     device = answer.get("device") or {}
     used = f"{human(device['bytes_used'])} of {human(device['bytes_limit'])} used; " if "bytes_used" in device else ""
     return f"{label}: {used}" + ", ".join(f"{kind} {human(totals.get(kind, 0))}" for kind in KINDS)
+
+
+# --- the line under the cell ----------------------------------------------------------------
+
+NEAR_LIMIT = 0.8  # a cell whose peak passes this share of a device's limit says so under the cell
+
+
+def cell_peaks(record: Any) -> dict[int, tuple[int, int]]:
+    """Each rank's peak during the cell and its device's limit, from the samples its rank sent (rank.MemoryReporter)."""
+    peaks = {}
+    for rank, state in record.ranks.items():
+        memory = state.memory or {}
+        if "cell_peak_bytes" in memory:
+            peaks[rank] = (memory["cell_peak_bytes"], memory.get("bytes_limit", 0))
+    return peaks
+
+
+def peak_finding(record: Any) -> str | None:
+    """``peak device memory 950.00K per rank (90% of rank 0's 1.00M ...)`` for the line under the cell, when a
+    rank's peak during the cell came within NEAR_LIMIT of its device's limit; None otherwise (a quiet line)."""
+    peaks = cell_peaks(record)
+    near = [rank for rank, (peak, limit) in peaks.items() if limit and peak >= NEAR_LIMIT * limit]
+    if not near:
+        return None
+    values = {peak for peak, _limit in peaks.values()}
+    if len(values) == 1:
+        text = f"peak device memory {human(values.pop())} per rank"
+    else:
+        text = "peak device memory " + ", ".join(f"r{rank} {human(peak)}" for rank, (peak, _l) in sorted(peaks.items()))
+    rank = max(near, key=lambda r: peaks[r][0] / peaks[r][1])
+    peak, limit = peaks[rank]
+    return text + f" ({peak * 100 // limit}% of rank {rank}'s {human(limit)}: %xla_memory names what holds it)"

@@ -198,7 +198,8 @@ class RankServer:
         self.shipped = ShippedValues()
         self.cells = CompiledCells()
         self.device = rank_names.get("device")
-        self.reports_memory = rank_module.device_memory(self.device) is not None
+        self.reports_memory = rank_module.device_memory(self.device) is not None  # a TPU's runtime, the simulation
+        self.memory = rank_module.MemoryReporter(channel, self.device) if self.reports_memory else None
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         displays.set_display(self.display)
@@ -385,8 +386,7 @@ class RankServer:
             self.namespace.update(objects)
         self.namespace.update(self.rank_names)  # a cell may have rebound ``rank``
         self._filename, body, last = self.cells.get(fields["source"], fields["filename"], fields.get("code"))
-        memory = rank_module.MemoryReporter(self.channel, self.device) if self.reports_memory else None
-        if memory is not None:
+        if (memory := self.memory) is not None:
             memory.start()
         try:
             self.phase = "cell"
