@@ -5,7 +5,8 @@ UNIMPLEMENTED), so on a laptop code that reads it, the memory views and
 the out-of-memory path would never run. Here each simulated device has a
 limit: ``XLA_MAGIC_SIM_HBM`` (a size such as ``16G``, ``512M``, ``1.5GiB``,
 a number of bytes, or a TPU kind: ``v2``, ``v3``, ``v4``, ``v5e``, ``v5p``,
-``v6e``), by default a v5e's 16 GiB.
+``v6e``), by default a v5e's 16 GiB; ``off`` counts nothing (XLA:CPU's own
+``get_memory_info``, which is UNIMPLEMENTED).
 
 After every ``torch_xla.sync`` (``xm.mark_step`` and ``torch_xla.step``
 call it) the rank counts what holds its device: the XLA tensors the user
@@ -126,6 +127,8 @@ def install() -> None:
     global _book
     import torch_xla
 
+    if os.environ.get(VARIABLE, "").strip().lower() == "off":  # XLA:CPU's own: no figures, no limit
+        return
     _book = Book(parse_limit(os.environ.get(VARIABLE)))
     torch_xla._XLAC._xla_memory_info = memory_info
     package, module = sys.modules["torch_xla"], sys.modules["torch_xla.torch_xla"]
