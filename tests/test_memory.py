@@ -7,7 +7,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from helpers import pool_magic, strip_ansi
+from helpers import execute, notebook, pool_magic, shown_error, strip_ansi, text_of, wait_for
 from xla_magic.display import RankError
 
 GIB = 1 << 30
@@ -154,3 +154,78 @@ def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, 
     with capture_output() as quiet:
         ip.run_cell_magic("xla_spawn", "", "del x\ntorch_xla.sync()")
     assert not [line for line in quiet.stdout.splitlines() if line.startswith("XLA:")]
+
+
+def test_xla_memory_answers_while_a_cell_runs_naming_the_cell_s_locals(ip, pool, tmp_path):
+    """The ranks answer from their sampler thread while the cell waits; the running request hands the answers over."""
+    from helpers import on_every_rank_running
+    from xla_magic import memory_view
+
+    done = tmp_path / "done"
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            got["lines"] = memory_view.report(pool, ip._xla_magic_session.history, 1)
+        except Exception as exc:  # the test says what went wrong, not a hang
+            got["error"] = exc
+        finally:
+            done.touch()
+
+    def ask_once_inside() -> None:
+        wait_for(lambda: all((tmp_path / f"inside-{rank}").exists() for rank in (0, 1)))
+        ask()
+
+    cell = ("import os, time, torch\nheld = torch.ones(4, 4, device=device)\n"
+            "def wait():\n    inside = torch.zeros(3, 5, device=device)\n"
+            f"    open(os.path.join({str(tmp_path)!r}, f'inside-{{rank}}'), 'w').close()\n"
+            f"    while not os.path.exists({str(done)!r}):\n        time.sleep(0.02)\nwait()")
+    with on_every_rank_running(ip._xla_magic_session, ask_once_inside), capture_output():
+        ip.run_cell_magic("xla_spawn", "", cell)
+    assert "error" not in got, got.get("error")
+    text = "\n".join(got["lines"])
+    assert text.startswith("Device memory of rank 1: ")
+    assert "  held  float32[4, 4]  other" in text and "  inside  float32[3, 5]  other" in text
+
+
+def test_an_oom_with_a_model_and_adam_advises_bfloat16_and_fsdp(ip, small_pool):
+    """Parameters, gradients and Adam's two states dominate: the advice is for them."""
+    cell = ("import torch, torch_xla\n"
+            "model = torch.nn.Linear(256, 256).to(device)\n"
+            "opt = torch.optim.Adam(model.parameters())\n"
+            "model(torch.ones(8, 256, device=device)).sum().backward()\n"
+            "opt.step()\n"
+            "torch_xla.sync()\n")
+    with capture_output(), pytest.raises(RankError) as failed:
+        ip.run_cell_magic("xla_spawn", "", cell)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "RESOURCE_EXHAUSTED: Error allocating device buffer" in text and "line 6" in text
+    assert "model.weight  float32[256, 256]  (parameters)" in text
+    assert "opt.state[model.weight].exp_avg_sq  float32[256, 256]  (optimizer state)" in text
+    assert "Most of it: parameters, gradients and optimizer state." in text
+    assert "What to do: load the model in bfloat16" in text and "FSDPv2" in text
+
+
+def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept():
+    """Through a Jupyter kernel (nbclient): get_memory_info, %xla_memory, an OOM under its cell, the next cell."""
+    nb = execute(notebook(
+        "%load_ext xla_magic",
+        "%xla_pool start --devices 2",
+        "%%xla_spawn\nimport torch, torch_xla, torch_xla.core.xla_model as xm\n"
+        "weights = torch.ones(128, 128, device=device)\ntorch_xla.sync()\nxm.get_memory_info(device)['bytes_used']",
+        "%xla_memory --rank 0",
+        "%%xla_spawn\nhuge = torch.ones(1024, 1024, device=device) + weights.sum()\ntorch_xla.sync()",
+        "%%xla_spawn\ndel huge\ntorch_xla.sync()\nxm.get_memory_info(device)['bytes_used']",
+        "%xla_pool stop",
+    ), XLA_MAGIC_SIM_HBM="4M")
+    cells = nb.cells
+    assert "[65536, 65536]" in text_of(cells[2])
+    assert "Device memory of rank 0: 64.00K used of 4.00M" in text_of(cells[3])
+    assert "  weights  float32[128, 128]  other" in text_of(cells[3])
+    error = shown_error(cells[4])
+    assert "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 4.00M. " \
+           "That was not possible. There are 3.94M free." in error
+    assert "  huge  float32[1024, 1024]  (other)" in error and "  weights  float32[128, 128]  (other)" in error, error
+    assert "Most of it: tensors left from earlier cells (huge, weights)." in error, error
+    assert "What to do: del the names listed above" in error and "xla_magic/launcher" not in error, error
+    assert "[65536, 65536]" in text_of(cells[5])  # the pool kept its ranks and their names

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import sys
 import types
 from typing import Any, Iterator
@@ -98,6 +99,8 @@ class _Walk:
             return
         if isinstance(value, (types.ModuleType, type, types.FunctionType, str, bytes, int, float)) or value is None:
             return
+        if type(value).__module__.startswith("IPython."):  # the shell (exit, quit) reaches the namespace again
+            return
         if id(value) in self.seen_objects:
             return
         self.seen_objects.add(id(value))
@@ -124,11 +127,17 @@ class _Walk:
                     self.value(item, f"{name}.{attribute}", depth + 1, param_names)
 
 
-def _tensor_id(value: torch.Tensor) -> int:
-    try:
-        import torch_xla
+_get_tensor_id: Any = None  # torch_xla._XLAC._xla_get_tensor_id, once bound
 
-        return int(torch_xla._XLAC._xla_get_tensor_id(value))
+
+def _tensor_id(value: torch.Tensor) -> int:
+    global _get_tensor_id
+    try:
+        if _get_tensor_id is None:
+            import torch_xla
+
+            _get_tensor_id = torch_xla._XLAC._xla_get_tensor_id
+        return int(_get_tensor_id(value))
     except Exception:  # a tensor torch_xla cannot name (a functional wrapper): Python's identity
         return -id(value)
 
@@ -150,7 +159,7 @@ def _roots(namespace: dict[str, Any], frame: types.FrameType | None) -> Iterator
 
 
 def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
-            everything: bool = False) -> list[dict[str, Any]]:
+            everything: bool = False, after_sync: bool = False) -> list[dict[str, Any]]:
     """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
 
     Modules and optimizers are walked first, so a parameter is named by its
@@ -167,6 +176,9 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
     for name, value in roots:
         if isinstance(value, torch.optim.Optimizer):
             walk.value(value, name, 0, param_names)
+    for name, value in roots:  # names that hold a tensor themselves, before any path through an object
+        if _is_xla(value):
+            walk.tensor(value, name, "other")
     for name, value in roots:
         walk.value(value, name, 0, param_names)
     if everything:
@@ -174,7 +186,11 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
             if _is_xla(value) and _tensor_id(value) not in walk.found:
                 walk.tensor(value, "unnamed", "other")
     found = list(walk.found.values())
-    _mark_pending(found)
+    if after_sync:  # a sync ran every pending graph: each tensor holds its buffer
+        for holder in found:
+            holder["pending"] = False
+    else:
+        _mark_pending(found)
     found.sort(key=lambda holder: -holder["padded"])
     return found
 
@@ -243,6 +259,18 @@ def human(size: float) -> str:
     return f"{int(size)}B"
 
 
+_ASKED = re.compile(r"Attempting to allocate (?P<number>[0-9.]+)(?P<unit>[KMGT]?)")
+
+
+def _asked(message: str) -> int:
+    """The bytes an out-of-memory message says were asked for (XLA writes 196.00M); 0 where it says none."""
+    found = _ASKED.search(message)
+    if found is None:
+        return 0
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found["unit"]]
+    return int(float(found["number"]) * scale)
+
+
 def dominant(sums: dict[str, int], found: list[dict[str, Any]], temporaries: int) -> str:
     """What fills the device: "weights" (parameters, gradients and optimizer state), "temporaries", or "leftovers"."""
     weights = sums["parameters"] + sums["gradients"] + sums["optimizer state"]
@@ -274,15 +302,19 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
     except Exception as broken:
         return f"\nDevice memory on rank {rank}: the holders could not be read ({type(broken).__name__}: {broken})."
     sums = totals(found)
-    temporaries = int(getattr(exc, "temporaries", 0) or 0)
+    # The simulation knows the graph's temporaries; a TPU's runtime says only what it asked for.
+    simulated = hasattr(exc, "temporaries")
+    temporaries = int(exc.temporaries or 0) if simulated else _asked(str(exc))  # type: ignore[attr-defined]
     lines = ["", f"Device memory on rank {rank} when it ran out (as %xla_memory names it):"]
     for holder in [h for h in found if not h.get("pending")][:SHOWN]:
         lines.append(f"  {human(holder['padded']):>9}  {holder['name']}  {holder['dtype']}{holder['shape']}  "
                      f"({holder['kind']})")
+    needed = "the graph's temporaries" if simulated else "asked for"
     lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
-                 + (f", the graph's temporaries {human(temporaries)}" if temporaries else ""))
-    why = dominant(sums, found, temporaries)
-    names = [h["name"] for h in found if h["kind"] == "other" and not h.get("pending") and h["name"] != "unnamed"]
-    lines.append(MOSTLY[why].format(names=", ".join(names[:4]) or "unnamed"))
+                 + (f", {needed} {human(temporaries)}" if temporaries else ""))
+    if sum(sums.values()) + temporaries:  # nothing held and nothing asked: no guess at what dominates
+        why = dominant(sums, found, temporaries)
+        names = [h["name"] for h in found if h["kind"] == "other" and not h.get("pending") and h["name"] != "unnamed"]
+        lines.append(MOSTLY[why].format(names=", ".join(names[:4]) or "unnamed"))
     lines.append("The rank survived it: a pool keeps its ranks and their names; free memory and run the cell again.")
     return "\n".join(lines)

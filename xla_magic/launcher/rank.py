@@ -228,6 +228,9 @@ def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.Code
 
 # Where input() and pdb ask the kernel (debugger.py): the machinery under the cell's call, not the user's frames.
 _ASKING_FILE = os.path.join("xla_magic", "launcher", "debugger.py")
+# What xla_magic puts under a sync (its account, the simulation's memory count): not the user's frames either.
+_UNDER_SYNC = (_ASKING_FILE, os.path.join("xla_magic", "launcher", "xla_account.py"),
+               os.path.join("xla_magic", "launcher", "simulate", "memory.py"))
 
 
 def format_error(exc: BaseException, filename: str) -> str:
@@ -239,7 +242,7 @@ def format_error(exc: BaseException, filename: str) -> str:
         tb = exc.__traceback__
     error = traceback.TracebackException(type(exc), exc, tb, compact=True)
     error.stack = traceback.StackSummary.from_list([frame for frame in error.stack
-                                                    if not frame.filename.endswith(_ASKING_FILE)])
+                                                    if not frame.filename.endswith(_UNDER_SYNC)])
     return "".join(error.format())
 
 

@@ -78,7 +78,7 @@ class Book:
             namespace = shell.calling_home().namespace
         except RuntimeError:
             namespace = {}
-        found = memory.holders(namespace, frame)
+        found = memory.holders(namespace, frame, after_sync=True)
         used = sum(holder["padded"] for holder in found)
         temporaries = self._temporaries(where)
         with self.lock:
