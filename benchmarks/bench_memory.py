@@ -1,8 +1,8 @@
 """What device memory accounting costs: a training step with the simulation's count on against off, and
 ``%xla_memory`` on an 8-rank pool holding 1,000 tensors.
 
-Runs as a script (``python benchmarks/bench_memory.py``) or under benchmarks/run.py
-(``main()`` returns the rows). The simulation counts a device's memory after every
+Runs under benchmarks/run.py (``python benchmarks/run.py memory``, ``make bench``;
+``main()`` returns the rows). The simulation counts a device's memory after every
 ``torch_xla.sync`` (launcher/simulate/memory.py); ``XLA_MAGIC_SIM_HBM=off`` in the
 kernel's environment starts ranks that count nothing, the baseline. Pools
 alternate in one run (on, off, off, on); in each, a cell times STEPS training steps
@@ -71,10 +71,10 @@ def step_time(shell: Any, counting: bool) -> float:
     quietly(lambda: shell.run_line_magic("xla_pool", f"start --devices {STEP_RANKS} --backend cpu"))()
     try:
         info = shell.run_cell_magic("xla_spawn", "", "import torch_xla.core.xla_model as xm\n"
-                                                     "try:\n    r = xm.get_memory_info(device)\n"
-                                                     "except RuntimeError:\n    r = None\nr")
-        if (info[0] is not None) != counting:
-            raise AssertionError(f"get_memory_info answered {info[0]}, expected counting={counting}")
+                                                     "try:\n    r = 'answers', xm.get_memory_info(device)\n"
+                                                     "except RuntimeError as e:\n    r = 'refuses', str(e)\nr")
+        if (info[0][0] == "answers") != counting:
+            raise AssertionError(f"get_memory_info: {info[0]}, expected counting={counting}")
         quietly(lambda: shell.run_cell_magic("xla_spawn", "", MODEL))()
         times = []
         for _ in range(3):
