@@ -45,8 +45,9 @@ def human(size: float) -> str:
     return f"{int(size)}B"
 
 
-def ask(pool: Any, ranks: list[int]) -> dict[int, dict[str, Any]]:
-    """Each of ``ranks``' answers (``unanswered`` where none came)."""
+def ask(pool: Any, ranks: list[int], full: int) -> dict[int, dict[str, Any]]:
+    """Each of ``ranks``' answers (``unanswered`` where none came); rank ``full`` lists its holders, the others
+    send their totals (without the walk over every object for unnamed tensors)."""
     global _probes
     conns = pool.ranks
     with _lock:
@@ -54,9 +55,9 @@ def ask(pool: Any, ranks: list[int]) -> dict[int, dict[str, Any]]:
         probe = _probes
         _answers[probe] = {}
     running = pool.state == "running"  # its request reads the samplers' sockets: answers come through take()
-    frame = protocol.encode(protocol.MEMORY, probe=probe)
     asked = []
     for rank in ranks:
+        frame = protocol.encode(protocol.MEMORY, probe=probe, full=rank == full)
         sock = conns.samplers[rank].sock if rank < len(conns.samplers) else None
         if sock is None or sock.fileno() < 0:
             continue
@@ -120,8 +121,8 @@ def report(pool: Any, history: list[Any], rank: int | None) -> list[str]:
     if pool.state not in ("ready", "running"):
         raise UsageError(f"the pool is {pool.state}, so its ranks cannot answer: %xla_pool restart starts it anew")
     wanted = [rank] if rank is not None else list(range(1 if pool.one_value else size))
-    answers = ask(pool, wanted)
     shown = rank if rank is not None else wanted[0]
+    answers = ask(pool, wanted, shown)
     lines = _rank_lines(shown, answers[shown], pool.label(shown))
     graph = largest_graph(history, shown)
     if graph is not None:

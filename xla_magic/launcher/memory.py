@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import math
 import re
-import sys
 import types
 from typing import Any, Iterator
 
@@ -56,75 +55,76 @@ def _is_xla(value: Any) -> bool:
 class _Walk:
     """One walk over the roots: each XLA tensor once (by torch_xla's tensor id), with its first name and kind."""
 
-    def __init__(self) -> None:
-        self.found: dict[int, dict[str, Any]] = {}
+    def __init__(self, deep: bool = True) -> None:
+        self.deep = deep  # into plain objects' attributes too (a trainer that holds the model), not only containers
+        self.found: dict[int, tuple[torch.Tensor, str, str]] = {}  # tensor id -> (tensor, name, kind)
         self.seen_objects: set[int] = set()
-        self.kinds: dict[int, tuple[str, str]] = {}  # id(tensor) -> (kind, name) decided by its owner
+        self.param_names: dict[int, str] = {}  # id(parameter) -> its name, for the optimizers' state
 
     def tensor(self, value: torch.Tensor, name: str, kind: str) -> None:
         key = _tensor_id(value)
-        if key in self.found:
-            return
-        shape = tuple(value.shape)
-        itemsize = value.element_size()
-        size = value.numel() * itemsize
-        self.found[key] = {"name": name, "kind": kind, "shape": list(shape),
-                           "dtype": str(value.dtype).removeprefix("torch."), "bytes": size,
-                           "padded": padded_bytes(shape, itemsize), "tensor": value}
+        if key not in self.found:
+            self.found[key] = (value, name, kind)
 
     def module(self, value: torch.nn.Module, name: str) -> None:
         for pname, param in value.named_parameters(remove_duplicate=True):
             if _is_xla(param):
-                self.tensor(param, f"{name}.{pname}", "parameters")
-                if param.grad is not None and _is_xla(param.grad):
-                    self.tensor(param.grad, f"{name}.{pname}.grad", "gradients")
+                full = f"{name}.{pname}"
+                self.param_names.setdefault(id(param), full)
+                self.tensor(param, full, "parameters")
+                grad = param.grad
+                if grad is not None and _is_xla(grad):
+                    self.tensor(grad, f"{full}.grad", "gradients")
         for bname, buffer in value.named_buffers():
             if _is_xla(buffer):
                 self.tensor(buffer, f"{name}.{bname}", "other")
 
-    def optimizer(self, value: torch.optim.Optimizer, name: str, param_names: dict[int, str]) -> None:
+    def optimizer(self, value: torch.optim.Optimizer, name: str) -> None:
+        states = value.state
         for group in value.param_groups:
             for param in group["params"]:
-                state = value.state.get(param) if hasattr(value.state, "get") else None
+                state = states.get(param) if hasattr(states, "get") else None
                 if not state:
                     continue
-                pname = param_names.get(id(param), f"<{'x'.join(map(str, param.shape))}>")
+                pname = self.param_names.get(id(param)) or f"<{'x'.join(map(str, param.shape))}>"
                 for key, item in state.items():
                     if _is_xla(item):
                         self.tensor(item, f"{name}.state[{pname}].{key}", "optimizer state")
 
-    def value(self, value: Any, name: str, depth: int, param_names: dict[int, str]) -> None:
+    def value(self, value: Any, name: str, depth: int) -> None:
         if _is_xla(value):
             self.tensor(value, name, "other")
             return
-        if isinstance(value, (types.ModuleType, type, types.FunctionType, str, bytes, int, float)) or value is None:
-            return
-        if type(value).__module__.startswith("IPython."):  # the shell (exit, quit) reaches the namespace again
-            return
+        if isinstance(value, _SKIPPED) or value is None or type(value).__module__.startswith("IPython."):
+            return  # (the shell, as exit and quit, reaches the namespace again)
         if id(value) in self.seen_objects:
             return
         self.seen_objects.add(id(value))
         if isinstance(value, torch.nn.Module):
             self.module(value, name)
         elif isinstance(value, torch.optim.Optimizer):
-            self.optimizer(value, name, param_names)
+            self.optimizer(value, name)
         elif depth >= DEPTH:
             return
         elif isinstance(value, (list, tuple)):
             for index, item in enumerate(value[:4096]):
-                self.value(item, f"{name}[{index}]", depth + 1, param_names)
+                self.value(item, f"{name}[{index}]", depth + 1)
         elif isinstance(value, dict):
-            for index, (key, item) in enumerate(list(value.items())[:4096]):
+            for key, item in list(value.items())[:4096]:
                 label = repr(key) if isinstance(key, (str, int)) else f"<{type(key).__name__}>"
-                self.value(item, f"{name}[{label}]", depth + 1, param_names)
-        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+                self.value(item, f"{name}[{label}]", depth + 1)
+        elif self.deep and hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
             try:
                 attributes = list(vars(value).items())
             except TypeError:
                 return
             for attribute, item in attributes:
                 if not attribute.startswith("__"):
-                    self.value(item, f"{name}.{attribute}", depth + 1, param_names)
+                    self.value(item, f"{name}.{attribute}", depth + 1)
+
+
+_SKIPPED = (types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes,
+            int, float, bool, torch.device, torch.dtype)
 
 
 _get_tensor_id: Any = None  # torch_xla._XLAC._xla_get_tensor_id, once bound
@@ -158,39 +158,55 @@ def _roots(namespace: dict[str, Any], frame: types.FrameType | None) -> Iterator
         frame = frame.f_back
 
 
-def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
-            everything: bool = False, after_sync: bool = False) -> list[dict[str, Any]]:
-    """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
-
-    Modules and optimizers are walked first, so a parameter is named by its
-    module path even when a variable also holds it.
-    """
-    walk = _Walk()
+def _walk(namespace: dict[str, Any], frame: types.FrameType | None, deep: bool) -> _Walk:
+    """Modules first, then optimizers (their state is named by the parameters' names), then names that hold a
+    tensor themselves, then everything else: so each tensor gets its shortest, most telling name."""
+    walk = _Walk(deep)
     roots = list(_roots(namespace, frame))
-    param_names: dict[int, str] = {}
     for name, value in roots:
         if isinstance(value, torch.nn.Module):
-            for pname, param in value.named_parameters():
-                param_names.setdefault(id(param), f"{name}.{pname}")
-            walk.value(value, name, 0, param_names)
+            walk.value(value, name, 0)
     for name, value in roots:
         if isinstance(value, torch.optim.Optimizer):
-            walk.value(value, name, 0, param_names)
-    for name, value in roots:  # names that hold a tensor themselves, before any path through an object
+            walk.value(value, name, 0)
+    for name, value in roots:
         if _is_xla(value):
             walk.tensor(value, name, "other")
     for name, value in roots:
-        walk.value(value, name, 0, param_names)
+        walk.value(value, name, 0)
+    return walk
+
+
+def count(namespace: dict[str, Any], frame: types.FrameType | None = None) -> int:
+    """The bytes (padded to TPU tiles) of the tensors the names reach, right after a sync (each holds its buffer).
+
+    The simulation's count at every sync: containers, modules and optimizers only (no plain objects'
+    attributes), and no record per tensor, so that it costs a small fraction of a training step.
+    """
+    total = 0
+    for value, _name, _kind in _walk(namespace, frame, deep=False).found.values():
+        total += padded_bytes(tuple(value.shape), value.element_size())
+    return total
+
+
+def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
+            everything: bool = False) -> list[dict[str, Any]]:
+    """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
+
+    ``everything``: also the XLA tensors no name reaches, found among every object the garbage collector tracks.
+    """
+    walk = _walk(namespace, frame, deep=True)
     if everything:
         for value in gc.get_objects():
             if _is_xla(value) and _tensor_id(value) not in walk.found:
                 walk.tensor(value, "unnamed", "other")
-    found = list(walk.found.values())
-    if after_sync:  # a sync ran every pending graph: each tensor holds its buffer
-        for holder in found:
-            holder["pending"] = False
-    else:
-        _mark_pending(found)
+    found = []
+    for value, name, kind in walk.found.values():
+        shape = tuple(value.shape)
+        itemsize = value.element_size()
+        found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
+                      "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value})
+    _mark_pending(found)
     found.sort(key=lambda holder: -holder["padded"])
     return found
 
@@ -218,7 +234,8 @@ def totals(found: list[dict[str, Any]]) -> dict[str, int]:
 
 def sample(namespace: dict[str, Any], frame: types.FrameType | None = None, everything: bool = True,
            limit: int = 200) -> dict[str, Any]:
-    """%xla_memory's answer: the holders (the ``limit`` largest, without the tensors), totals and the runtime's figures."""
+    """%xla_memory's answer: the holders (the ``limit`` largest, without the tensors), totals and the runtime's
+    figures; ``everything``: unnamed tensors too (a walk over every object the garbage collector tracks)."""
     found = holders(namespace, frame, everything)
     answer: dict[str, Any] = {
         "holders": [{key: value for key, value in holder.items() if key != "tensor"} for holder in found[:limit]],
@@ -271,7 +288,7 @@ def _asked(message: str) -> int:
     return int(float(found["number"]) * scale)
 
 
-def dominant(sums: dict[str, int], found: list[dict[str, Any]], temporaries: int) -> str:
+def dominant(sums: dict[str, int], temporaries: int) -> str:
     """What fills the device: "weights" (parameters, gradients and optimizer state), "temporaries", or "leftovers"."""
     weights = sums["parameters"] + sums["gradients"] + sums["optimizer state"]
     others = sums["other"]
@@ -313,7 +330,7 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
     lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
                  + (f", {needed} {human(temporaries)}" if temporaries else ""))
     if sum(sums.values()) + temporaries:  # nothing held and nothing asked: no guess at what dominates
-        why = dominant(sums, found, temporaries)
+        why = dominant(sums, temporaries)
         names = [h["name"] for h in found if h["kind"] == "other" and not h.get("pending") and h["name"] != "unnamed"]
         lines.append(MOSTLY[why].format(names=", ".join(names[:4]) or "unnamed"))
     lines.append("The rank survived it: a pool keeps its ranks and their names; free memory and run the cell again.")

@@ -97,7 +97,9 @@ class Sampler:
         from xla_magic.launcher import memory
 
         try:
-            answer = memory.sample(self.namespace(), sys._current_frames().get(self.thread))
+            full = bool(fields.get("full", True))  # the rank shown in full; the others send their totals
+            answer = memory.sample(self.namespace(), sys._current_frames().get(self.thread), everything=full,
+                                   limit=200 if full else 0)
         except Exception as exc:  # a name that changed under the walk, a tensor torch_xla cannot read
             answer = {"unreadable": f"{type(exc).__name__}: {exc}"}
         try:

@@ -18,7 +18,8 @@ limit, the sync raises RuntimeError with the TPU runtime's wording. The
 figures answer ``xm.get_memory_info`` (``torch_xla._XLAC._xla_memory_info``).
 
 How far this is from a TPU: tensors no name reaches (a library's caches)
-are not counted; XLA:CPU's temporaries differ from a TPU's (other fusion,
+are not counted, nor, at a sync, tensors held only as a plain object's
+attribute (a trainer's ``self.model``: %xla_memory finds those); XLA:CPU's temporaries differ from a TPU's (other fusion,
 no tile padding inside the graph); the count is taken at syncs only, so a
 ``.to(device)`` past the limit fails at the next sync, not at its line.
 """
@@ -78,8 +79,7 @@ class Book:
             namespace = shell.calling_home().namespace
         except RuntimeError:
             namespace = {}
-        found = memory.holders(namespace, frame, after_sync=True)
-        used = sum(holder["padded"] for holder in found)
+        used = memory.count(namespace, frame)
         temporaries = self._temporaries(where)
         with self.lock:
             was = self.used
