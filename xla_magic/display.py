@@ -274,6 +274,22 @@ KNOWN_PROBLEMS = [
         "`journalctl -k` says \"Out of memory: Killed process\" when this was the cause. "
         + see("sigkill-out-of-memory"),
     ),
+    # A device out-of-memory error that the rank explained (launcher/memory.py): advice by what dominates.
+    (
+        r"Most of it: parameters, gradients and optimizer state\.",
+        "load the model in bfloat16 (model.to(torch.bfloat16)), shard it across the devices with FSDPv2 "
+        "(%%xla_spawn --spmd), or use a lighter optimizer (SGD, Adafactor) than Adam's two states per "
+        "parameter. " + see("oom-weights"),
+    ),
+    (
+        r"Most of it: the graph's temporaries",
+        "use a smaller batch, or gradient checkpointing (torch_xla.utils.checkpoint.checkpoint) around the "
+        "largest layers. " + see("oom-temporaries"),
+    ),
+    (
+        r"Most of it: tensors left from earlier cells",
+        "del the names listed above (a sync then frees them), or %xla_pool restart. " + see("oom-leftovers"),
+    ),
     (
         r"RESOURCE_EXHAUSTED|Attempting to (reserve|allocate)|Ran out of memory in memory space|"
         r"Error allocating device buffer",

@@ -238,6 +238,8 @@ def format_memory(memory: dict[str, Any] | None) -> str:
         text += f" of {format_bytes(memory['bytes_limit'])}"
     if "peak_bytes_used" in memory:
         text += f", peak {format_bytes(memory['peak_bytes_used'])}"
+    if "cell_peak_bytes" in memory:  # the samples' own, since the runtime's peak cannot be reset (rank.MemoryReporter)
+        text += f" ({format_bytes(memory['cell_peak_bytes'])} in the cell)"
     return text
 
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from xla_magic import memory_view
 from xla_magic.display import in_notebook
 from xla_magic.record import RunRecord
 
@@ -89,8 +90,9 @@ def _story(account: dict[str, Any]) -> tuple[Any, ...]:
 
 def summary(record: RunRecord) -> str | None:
     """The line under the cell, or None when nothing deserves a look."""
-    if all(state.xla is None for state in record.ranks.values()):
-        return None  # the common case, first: nothing happened
+    if all(state.xla is None for state in record.ranks.values()):  # the common case, first: nothing happened
+        near = memory_view.peak_finding(record)  # unless a device came near its limit
+        return f"XLA: {near}" if near else None
     found = groups(record)
     cell = record.cell
     findings: list[str] = []
@@ -105,6 +107,9 @@ def summary(record: RunRecord) -> str | None:
     if differ:
         findings.append(differ)
     findings += _cache_loads(account)
+    peak = memory_view.peak_finding(record)
+    if peak:
+        findings.append(peak)
     if not findings:
         return None
     head = ""

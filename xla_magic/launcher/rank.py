@@ -158,10 +158,13 @@ def device_memory(device: Any) -> dict[str, int] | None:
 
 
 class MemoryReporter:
-    """Sends the device's memory in STATUS events while the cell runs.
+    """Sends the device's memory in STATUS events while a cell runs.
 
-    A sampling thread runs only where the runtime reports memory at all; it
-    stops, with one last sample (the peak), before the rank reports DONE.
+    Made once per rank, where the runtime (or the simulation) reports memory
+    at all: one thread for the rank's life samples only between ``start``
+    and ``stop``, so a cell pays no thread of its own. ``stop`` sends the
+    last sample (the cell's peak) before the rank reports DONE; no sample
+    goes after it.
     """
 
     INTERVAL = 2.0
@@ -169,35 +172,49 @@ class MemoryReporter:
     def __init__(self, channel: protocol.Channel, device: Any) -> None:
         self.channel = channel
         self.device = device
-        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._running = threading.Event()  # set while a cell runs
+        self._cell_over = threading.Event()  # set when it ends: the sampler goes back to waiting
         self._thread: threading.Thread | None = None
+        self._peak_before = self._cell_peak = 0
 
-    def start(self) -> dict[str, int] | None:
-        memory = device_memory(self.device)
-        if memory is not None:
+    def start(self) -> None:
+        self._peak_before = (device_memory(self.device) or {}).get("peak_bytes_used", 0)
+        self._cell_peak = 0
+        self._cell_over.clear()
+        self._running.set()
+        if self._thread is None:
             self._thread = threading.Thread(target=self._sample, name="xla_magic-memory", daemon=True)
             self._thread.start()
-        return memory
 
     def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        self._send()
+        with self._lock:
+            self._running.clear()
+            self._cell_over.set()
+        self._send(last=True)
 
     def _sample(self) -> None:
-        while not self._stop.wait(self.INTERVAL):
-            self._send()
+        while self._running.wait():
+            while not self._cell_over.wait(self.INTERVAL):
+                self._send()
 
-    def _send(self) -> None:
+    def _send(self, last: bool = False) -> None:
         memory = device_memory(self.device)
-        if memory is not None:
+        if memory is None:
+            return
+        with self._lock:
+            # The cell's own peak: the runtime's cannot be reset, so the samples' highest, or the runtime's
+            # peak where it rose during the cell (then it was reached in this cell).
+            self._cell_peak = max(self._cell_peak, memory.get("bytes_used", 0))
+            if memory.get("peak_bytes_used", 0) > self._peak_before:
+                self._cell_peak = max(self._cell_peak, memory["peak_bytes_used"])
+            memory["cell_peak_bytes"] = self._cell_peak
+            if not last and not self._running.is_set():
+                return  # the cell ended while this sample was read: its last one is the rank's own
             try:
                 self.channel.send(protocol.STATUS, state="running", memory=memory)
             except OSError:  # the kernel stopped listening; the run is over
-                self._stop.set()
+                self._running.clear()
 
 
 def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
@@ -211,6 +228,9 @@ def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.Code
 
 # Where input() and pdb ask the kernel (debugger.py): the machinery under the cell's call, not the user's frames.
 _ASKING_FILE = os.path.join("xla_magic", "launcher", "debugger.py")
+# What xla_magic puts under a sync (its account, the simulation's memory count): not the user's frames either.
+_UNDER_SYNC = (_ASKING_FILE, os.path.join("xla_magic", "launcher", "xla_account.py"),
+               os.path.join("xla_magic", "launcher", "simulate", "memory.py"))
 
 
 def format_error(exc: BaseException, filename: str) -> str:
@@ -222,7 +242,7 @@ def format_error(exc: BaseException, filename: str) -> str:
         tb = exc.__traceback__
     error = traceback.TracebackException(type(exc), exc, tb, compact=True)
     error.stack = traceback.StackSummary.from_list([frame for frame in error.stack
-                                                    if not frame.filename.endswith(_ASKING_FILE)])
+                                                    if not frame.filename.endswith(_UNDER_SYNC)])
     return "".join(error.format())
 
 

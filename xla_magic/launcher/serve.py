@@ -39,8 +39,8 @@ import types
 from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic.wire import protocol, transport
-from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, metrics, place,
-                                profiling, rank as rank_module, shell, stacks, xla_account, xla_analysis)
+from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, memory, metrics,
+                                place, profiling, rank as rank_module, shell, stacks, xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -197,7 +197,8 @@ class RankServer:
         self.shipped = ShippedValues()
         self.cells = CompiledCells()
         self.device = rank_names.get("device")
-        self.reports_memory = rank_module.device_memory(self.device) is not None
+        self.reports_memory = rank_module.device_memory(self.device) is not None  # a TPU's runtime, the simulation
+        self.memory = rank_module.MemoryReporter(channel, self.device) if self.reports_memory else None
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         displays.set_display(self.display)
@@ -385,8 +386,7 @@ class RankServer:
             self.namespace.update(objects)
         self.namespace.update(self.rank_names)  # a cell may have rebound ``rank``
         self._filename, body, last = self.cells.get(fields["source"], fields["filename"], fields.get("code"))
-        memory = rank_module.MemoryReporter(self.channel, self.device) if self.reports_memory else None
-        if memory is not None:
+        if (memory := self.memory) is not None:
             memory.start()
         try:
             self.phase = "cell"
@@ -499,8 +499,8 @@ class RankServer:
             seq=seq,
             type=type(exc).__name__,
             message=rank_module.exception_message(exc),
-            traceback=rank_module.format_error(exc, self._filename)
-            if with_traceback and not isinstance(exc, place.PlaceError) else "",
+            traceback=rank_module.format_error(exc, self._filename) + memory.explain(exc, self.namespace, self.rank)
+            if with_traceback and not isinstance(exc, place.PlaceError) else "",  # a device OOM: what held it
             post_mortem=self.post_mortem is not None and with_traceback and (self.parks or not self.serving.one_shot),
         )
 
@@ -526,8 +526,8 @@ def serve(
     channel = protocol.Channel(sockets.events, takes_fds=True)
     served: list[RankServer] = []  # the server, once set up: its phase is what the sampler reports
     if os.environ.get(stacks.OFF_SWITCH) != "0":  # off only to measure what it costs (benchmarks/bench_stacks.py)
-        stacks.Sampler(rank, sockets.stacks, threading.get_ident(),
-                       lambda: served[0].sampled_phase() if served else "setup")
+        stacks.Sampler(rank, sockets.stacks, threading.get_ident(), lambda: served[0].sampled_phase() if served
+                       else "setup", lambda: served[0].namespace if served else {})
     thread = threading.current_thread() is not threading.main_thread()
     if not thread:
         interrupt.install_handler()  # rank threads' processes inherited it from the supervisor

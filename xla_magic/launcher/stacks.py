@@ -58,11 +58,13 @@ _serving: set[int] = set()  # the threads that serve cells in this process (rank
 class Sampler:
     """One rank's sampler thread: answers STACKS on ``sock`` with where ``thread`` is."""
 
-    def __init__(self, rank: int, sock: socket.socket, thread: int, phase: Callable[[], str]) -> None:
+    def __init__(self, rank: int, sock: socket.socket, thread: int, phase: Callable[[], str],
+                 namespace: Callable[[], dict[str, Any]] = dict) -> None:
         self.rank = rank
         self.channel = protocol.Channel(sock)
         self.thread = thread
         self.phase = phase  # what the rank is at: setup, idle, cell, closing
+        self.namespace = namespace  # the rank's names, for what holds its device memory (MEMORY)
         _serving.add(thread)
         self._thread = threading.Thread(target=self._run, name=f"xla_magic stacks r{rank}", daemon=True)
         self._thread.start()
@@ -73,6 +75,9 @@ class Sampler:
                 request = self.channel.recv()
             except OSError:
                 return
+            if request.kind == protocol.MEMORY:
+                self._memory(request.fields)
+                continue
             if request.kind != protocol.STACKS:
                 return  # closed, broken, or not for us: the rank is going
             try:
@@ -85,6 +90,22 @@ class Sampler:
                                   pid=os.getpid(), **answer)
             except OSError:
                 return
+
+
+    def _memory(self, fields: dict[str, Any]) -> None:
+        """What holds the device's memory (launcher/memory.py), read while the cell runs or between cells."""
+        from xla_magic.launcher import memory
+
+        try:
+            full = bool(fields.get("full", True))  # the rank shown in full; the others send their totals
+            answer = memory.sample(self.namespace(), sys._current_frames().get(self.thread), everything=full,
+                                   limit=200 if full else 0)
+        except Exception as exc:  # a name that changed under the walk, a tensor torch_xla cannot read
+            answer = {"unreadable": f"{type(exc).__name__}: {exc}"}
+        try:
+            self.channel.send(protocol.MEMORY, probe=fields.get("probe"), rank=self.rank, **answer)
+        except OSError:
+            pass
 
 
 def sample(thread: int, phase: str, everything: bool = False, with_locals: bool = False) -> dict[str, Any]:

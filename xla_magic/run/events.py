@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from xla_magic import rank_display, rank_input
+from xla_magic import memory_view, rank_display, rank_input
 from xla_magic.ranks import Conn, describe_exit
 from xla_magic.wire import protocol, transport
 
@@ -35,6 +35,8 @@ def handle(run: Any, conn: Conn, event: protocol.Event) -> None:
         answer_input(run, rank, fields)
     elif kind == protocol.STACKS:
         run.watch.take(rank, fields)
+    elif kind == protocol.MEMORY:  # %xla_memory asked while this request runs
+        memory_view.take(rank, fields)
     elif fields.get("seq") != run.seq:
         return  # a reply to a request the kernel gave up on
     elif kind == protocol.RESULT:

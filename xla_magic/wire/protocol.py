@@ -78,6 +78,8 @@ XLA = "xla"
 # the rank is (launcher/stacks.py), read by a thread of its own; ``probe``
 # names the question, so a late answer to an older one is told apart
 STACKS = "stacks"
+# the same, for what holds the rank's device memory (launcher/memory.py: %xla_memory); read without a sync
+MEMORY = "memory"
 # rank -> kernel, with a cell's reply under --profile: where its process's trace files are (launcher/profiling.py)
 PROFILE = "profile"
 # rank -> kernel, while a cell runs: values its cell logged (launcher/metrics.py), a batch of ``rows``, each

@@ -13,7 +13,8 @@ Replaced: the ordinals of ``torch_xla.runtime``; ``xm.all_reduce``,
 ``send``, ``recv``, ``rendezvous`` (``collectives``); the XLA kernels of
 torch's functional collectives, what dynamo turns ``dist.*`` calls into,
 the store behind ``init_method="xla://"`` and the metric counters' read side
-(``traced``, ``exchange``). Everything built on these runs unchanged:
+(``traced``, ``exchange``); ``xm.get_memory_info``, from a count of the
+device's memory against a limit (``memory``). Everything built on these runs unchanged:
 ``xm.optimizer_step``, the bucketized collectives, ``mesh_reduce``,
 ``collective_broadcast``, ``torch_xla.core.functions``, and the "xla"
 process group of ``torch.distributed`` with DDP over it.
@@ -35,7 +36,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
 
-from xla_magic.launcher.simulate import collectives, exchange, traced
+from xla_magic.launcher.simulate import collectives, exchange, memory, traced
 from xla_magic.launcher.simulate.exchange import closing_across_hosts, leave
 
 __all__ = ["closing_across_hosts", "install", "leave"]
@@ -65,6 +66,7 @@ def install(rank: int, world_size: int, store_dir: str, world: dict[str, Any] | 
     for module, name, replacement in _replacements():
         setattr(module, name, replacement)
     traced.install()
+    memory.install()
 
 
 def _replacements() -> list[tuple[Any, str, Callable[..., Any]]]:

@@ -1,0 +1,231 @@
+"""Device memory in the CPU simulation, through a real IPython shell and real ranks: the count and its limit,
+xm.get_memory_info in a cell, RESOURCE_EXHAUSTED with the TPU's wording, %xla_memory's names and sizes."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from helpers import execute, notebook, pool_magic, shown_error, strip_ansi, text_of, wait_for
+from xla_magic.display import RankError
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def small_pool(ip, monkeypatch):
+    """A 2-rank pool whose devices hold 1 MiB each."""
+    monkeypatch.setenv("XLA_MAGIC_SIM_HBM", "1M")
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    try:
+        yield ip._xla_magic_session.pool
+    finally:
+        pool_magic(ip, "stop")
+
+
+def test_get_memory_info_in_a_cell_counts_what_the_cell_holds(spawn, pool):
+    """The default limit is a v5e's 16 GiB; a 256x256 f32 tensor synced is counted (it fills whole TPU tiles)."""
+    before = spawn("", "import torch, torch_xla, torch_xla.core.xla_model as xm\nxm.get_memory_info(device)").value
+    assert [info["bytes_limit"] for info in before] == [16 * GIB] * 2
+    after = spawn("", "x = torch.ones(256, 256, device=device) * rank\n"
+                      "torch_xla.sync()\ninfo = xm.get_memory_info(device)\ninfo").value
+    for was, now in zip(before, after):
+        assert now["bytes_used"] - was["bytes_used"] == 256 * 256 * 4
+        assert now["peak_bytes_used"] >= now["bytes_used"]
+    # code that branches on it takes the TPU's branch
+    assert spawn("", "'room' if xm.get_memory_info(device)['bytes_limit'] - xm.get_memory_info(device)['bytes_used']"
+                     " > 1 << 30 else 'full'").value == ["room", "room"]
+
+
+def test_past_a_small_limit_the_sync_raises_the_tpus_words_and_the_pool_survives(ip, small_pool):
+    cell = ("import torch, torch_xla\n"
+            "keep = torch.ones(256, 256, device=device)\n"
+            "torch_xla.sync()\n"
+            "big = torch.ones(512, 512, device=device) + keep.sum()\n"
+            "torch_xla.sync()\n")
+    with capture_output() as shown, pytest.raises(RankError) as failed:
+        ip.run_cell_magic("xla_spawn", "", cell)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "RuntimeError: RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 1.00M. " \
+           "That was not possible. There are 768.00K free." in text
+    assert "line 5" in text and "torch_xla.sync()" in text
+    assert "keep  float32[256, 256]  (other)" in text and "big  float32[512, 512]" in text
+    assert "Most of it: tensors left from earlier cells (big, keep)." in text
+    assert "The rank survived it" in text
+    assert "What to do:" in text and "del" in text
+    # the pool kept its ranks and their names: free the memory and go on
+    with capture_output():
+        values = ip.run_cell_magic("xla_spawn", "", "del big\nimport gc; gc.collect(); torch_xla.sync()\n"
+                                                      "xm = __import__('torch_xla.core.xla_model').core.xla_model\n"
+                                                      "(tuple(keep.shape), xm.get_memory_info(device)['bytes_used'])")
+    assert values == [((256, 256), 256 * 256 * 4)] * 2
+
+
+MODEL = """
+import torch, torch_xla
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)).to(device)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+batch = torch.randn(16, 64, device=device)
+model(batch).sum().backward()
+opt.step()
+torch_xla.sync()
+expected = {name: (p.numel() * p.element_size(), str(p.dtype).removeprefix('torch.'), list(p.shape))
+            for name, p in model.named_parameters()}
+expected
+"""
+
+
+def test_xla_memory_names_parameters_gradients_and_optimizer_state_with_their_sizes(ip, spawn, pool):
+    from xla_magic.memory_view import human
+
+    expected = spawn("", MODEL).value[0]
+    with capture_output() as shown:
+        ip.run_line_magic("xla_memory", "--rank 1")
+    text = shown.stdout
+    assert text.startswith("Device memory of rank 1: ")
+    assert "of 16.00G, peak" in text
+    lines = text.splitlines()
+
+    def line_of(name: str, kind: str) -> str:
+        found = [line for line in lines if f"  {name}  " in line and line.rstrip().endswith(kind)]
+        assert len(found) == 1, (name, text)
+        return found[0]
+
+    for name, (size, dtype, shape) in expected.items():
+        shape_text = f"{dtype}[{', '.join(map(str, shape))}]"
+        for named, kind in ((f"model.{name}", "parameters"), (f"model.{name}.grad", "gradients"),
+                            (f"opt.state[model.{name}].exp_avg", "optimizer state"),
+                            (f"opt.state[model.{name}].exp_avg_sq", "optimizer state")):
+            line = line_of(named, kind)
+            assert line.split()[0] == human(size) and shape_text in line
+    assert "  batch  float32[16, 64]  other" in text
+    weights = sum(size for size, _dtype, _shape in expected.values())
+    assert weights == (64 * 128 + 128 + 128 * 32 + 32) * 4
+    assert "By kind (on a TPU): parameters " in text
+    assert "The largest compiled graph (cell " in text and "temporaries" in text
+    # without --rank: rank 0 in full and every rank's totals
+    with capture_output() as both:
+        ip.run_line_magic("xla_memory", "")
+    assert both.stdout.startswith("Device memory of rank 0: ") and "Every rank:\n  rank 0: " in both.stdout \
+        and "\n  rank 1: " in both.stdout
+
+
+def test_xla_memory_reads_without_a_sync_or_a_compile(ip, spawn, pool):
+    """Asked between two cells, %xla_memory leaves the next cell's XLA account as it would be without it."""
+    spawn("", "import torch, torch_xla\nw = torch.ones(8, 8, device=device)\ntorch_xla.sync()")
+    spawn("", "pending = w * 3")  # a graph not yet run: named, with no buffer
+    with capture_output() as shown:
+        ip.run_line_magic("xla_memory", "--rank 0")
+    assert "  pending  float32[8, 8]  other  (not computed yet: no buffer)" in shown.stdout
+    run = spawn("", "w.shape")
+    record = ip._xla_magic_session.history[-1]
+    assert [state.xla for state in record.ranks.values()] == [None, None]  # XLA did nothing in the cell
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--rank 2", r"--rank must be between 0 and 1 \(the pool has 2 ranks\)"),
+    ("--rank -1", "--rank"),
+])
+def test_xla_memory_refuses_a_rank_the_pool_does_not_have(ip, pool, line, message):
+    with pytest.raises(UsageError, match=message):
+        ip.run_line_magic("xla_memory", line)
+
+
+def test_xla_memory_without_a_pool_says_how_to_start_one(ip):
+    with pytest.raises(UsageError, match=r"no pool is running.*%xla_pool start"):
+        ip.run_line_magic("xla_memory", "")
+
+
+def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, small_pool):
+    """950,272 bytes (225 rows padded to 232 of f32[.., 1024]) of a 1 MiB device: 90%, said under the cell."""
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\nx = torch.ones(225, 1024, device=device)\n"
+                                            "torch_xla.sync()")
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert said == ["XLA: peak device memory 928.00K per rank (90% of rank 0's 1.00M: %xla_memory names what holds it)"]
+    record = ip._xla_magic_session.history[-1]
+    for state in record.ranks.values():
+        assert state.memory["bytes_used"] == state.memory["cell_peak_bytes"] == 232 * 1024 * 4
+    with capture_output() as status:
+        ip.run_line_magic("xla_status", "--text")
+    assert "928.0 KiB of 1.0 MiB, peak 928.0 KiB (928.0 KiB in the cell)" in status.stdout
+    # a cell that holds no more is quiet again
+    with capture_output() as quiet:
+        ip.run_cell_magic("xla_spawn", "", "del x\ntorch_xla.sync()")
+    assert not [line for line in quiet.stdout.splitlines() if line.startswith("XLA:")]
+
+
+def test_xla_memory_answers_while_a_cell_runs_naming_the_cell_s_locals(ip, pool, tmp_path):
+    """The ranks answer from their sampler thread while the cell waits; the running request hands the answers over."""
+    from helpers import on_every_rank_running
+    from xla_magic import memory_view
+
+    done = tmp_path / "done"
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            got["lines"] = memory_view.report(pool, ip._xla_magic_session.history, 1)
+        except Exception as exc:  # the test says what went wrong, not a hang
+            got["error"] = exc
+        finally:
+            done.touch()
+
+    def ask_once_inside() -> None:
+        wait_for(lambda: all((tmp_path / f"inside-{rank}").exists() for rank in (0, 1)))
+        ask()
+
+    cell = ("import os, time, torch\nheld = torch.ones(4, 4, device=device)\n"
+            "def wait():\n    inside = torch.zeros(3, 5, device=device)\n"
+            f"    open(os.path.join({str(tmp_path)!r}, f'inside-{{rank}}'), 'w').close()\n"
+            f"    while not os.path.exists({str(done)!r}):\n        time.sleep(0.02)\nwait()")
+    with on_every_rank_running(ip._xla_magic_session, ask_once_inside), capture_output():
+        ip.run_cell_magic("xla_spawn", "", cell)
+    assert "error" not in got, got.get("error")
+    text = "\n".join(got["lines"])
+    assert text.startswith("Device memory of rank 1: ")
+    assert "  held  float32[4, 4]  other" in text and "  inside  float32[3, 5]  other" in text
+
+
+def test_an_oom_with_a_model_and_adam_advises_bfloat16_and_fsdp(ip, small_pool):
+    """Parameters, gradients and Adam's two states dominate: the advice is for them."""
+    cell = ("import torch, torch_xla\n"
+            "model = torch.nn.Linear(256, 256).to(device)\n"
+            "opt = torch.optim.Adam(model.parameters())\n"
+            "model(torch.ones(8, 256, device=device)).sum().backward()\n"
+            "opt.step()\n"
+            "torch_xla.sync()\n")
+    with capture_output(), pytest.raises(RankError) as failed:
+        ip.run_cell_magic("xla_spawn", "", cell)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "RESOURCE_EXHAUSTED: Error allocating device buffer" in text and "line 6" in text
+    assert "model.weight  float32[256, 256]  (parameters)" in text
+    assert "opt.state[model.weight].exp_avg_sq  float32[256, 256]  (optimizer state)" in text
+    assert "Most of it: parameters, gradients and optimizer state." in text
+    assert "What to do: load the model in bfloat16" in text and "FSDPv2" in text
+
+
+def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept():
+    """Through a Jupyter kernel (nbclient): get_memory_info, %xla_memory, an OOM under its cell, the next cell."""
+    nb = execute(notebook(
+        "%load_ext xla_magic",
+        "%xla_pool start --devices 2",
+        "%%xla_spawn\nimport torch, torch_xla, torch_xla.core.xla_model as xm\n"
+        "weights = torch.ones(128, 128, device=device)\ntorch_xla.sync()\nxm.get_memory_info(device)['bytes_used']",
+        "%xla_memory --rank 0",
+        "%%xla_spawn\nhuge = torch.ones(1024, 1024, device=device) + weights.sum()\ntorch_xla.sync()",
+        "%%xla_spawn\ndel huge\ntorch_xla.sync()\nxm.get_memory_info(device)['bytes_used']",
+        "%xla_pool stop",
+    ), XLA_MAGIC_SIM_HBM="4M")
+    cells = nb.cells
+    assert "[65536, 65536]" in text_of(cells[2])
+    assert "Device memory of rank 0: 64.00K used of 4.00M" in text_of(cells[3])
+    assert "  weights  float32[128, 128]  other" in text_of(cells[3])
+    error = shown_error(cells[4])
+    assert "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 4.00M. " \
+           "That was not possible. There are 3.94M free." in error
+    assert "  huge  float32[1024, 1024]  (other)" in error and "  weights  float32[128, 128]  (other)" in error, error
+    assert "Most of it: tensors left from earlier cells (huge, weights)." in error, error
+    assert "What to do: del the names listed above" in error and "xla_magic/launcher" not in error, error
+    assert "[65536, 65536]" in text_of(cells[5])  # the pool kept its ranks and their names

@@ -1,0 +1,337 @@
+"""What holds a rank's device memory, named the way the user names it. Runs in a rank (process or thread).
+
+``holders`` walks what the user can name (the rank's namespace and the
+frames of the running cell): XLA tensors by their variable (``x``,
+``batch[0]``), a module's parameters and buffers (``model.layers.3.weight``)
+and their gradients (``model.layers.3.weight.grad``), an optimizer's state
+(``opt.state[model.layers.3.weight].exp_avg``). Everything it reads is
+metadata (dtype, shape, torch_xla's tensor id): nothing syncs, compiles or
+waits for the device. ``everything=True`` also walks every object the
+garbage collector tracks for XLA tensors no name reaches ("unnamed").
+
+Sizes are ``numel * element_size`` (``bytes``) and that padded to a TPU's
+tiles (``padded``): the last two dimensions to (8·4/itemsize, 128), a
+vector as one row of them. The simulation counts the padded size against
+its limit (simulate/memory.py); the views show both.
+
+``explain`` turns a device out-of-memory error into the text shown under
+the cell: the holders, the totals by kind, what dominates and what to do.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import re
+import types
+from typing import Any, Iterator
+
+import torch
+
+KINDS = ("parameters", "gradients", "optimizer state", "other")
+DEPTH = 3  # how deep into lists, tuples, dicts and plain objects' attributes the walk goes
+SHOWN = 8  # holders named in an out-of-memory explanation
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Error allocating device buffer", "Ran out of memory in memory space")
+
+
+def padded_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes a TPU lays ``shape`` out in: the minor two dimensions padded to tiles (rank 0: unpadded)."""
+    if not shape:
+        return itemsize
+    rows = shape[-2] if len(shape) >= 2 else 1
+    sublanes = 8 * max(1, 4 // itemsize) if itemsize < 4 else 8
+    outer = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    return outer * _round_up(rows, sublanes) * _round_up(shape[-1], 128) * itemsize
+
+
+def _round_up(value: int, to: int) -> int:
+    return -(-value // to) * to if value else 0
+
+
+def _is_xla(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"
+
+
+class _Walk:
+    """One walk over the roots: each XLA tensor once (by torch_xla's tensor id), with its first name and kind."""
+
+    def __init__(self, deep: bool = True) -> None:
+        self.deep = deep  # into plain objects' attributes too (a trainer that holds the model), not only containers
+        self.found: dict[int, tuple[torch.Tensor, str, str]] = {}  # tensor id -> (tensor, name, kind)
+        self.seen_objects: set[int] = set()
+        self.param_names: dict[int, str] = {}  # id(parameter) -> its name, for the optimizers' state
+
+    def tensor(self, value: torch.Tensor, name: str, kind: str) -> None:
+        key = _tensor_id(value)
+        if key not in self.found:
+            self.found[key] = (value, name, kind)
+
+    def module(self, value: torch.nn.Module, name: str) -> None:
+        for pname, param in value.named_parameters(remove_duplicate=True):
+            if _is_xla(param):
+                full = f"{name}.{pname}"
+                self.param_names.setdefault(id(param), full)
+                self.tensor(param, full, "parameters")
+                grad = param.grad
+                if grad is not None and _is_xla(grad):
+                    self.tensor(grad, f"{full}.grad", "gradients")
+        for bname, buffer in value.named_buffers():
+            if _is_xla(buffer):
+                self.tensor(buffer, f"{name}.{bname}", "other")
+
+    def optimizer(self, value: torch.optim.Optimizer, name: str) -> None:
+        states = value.state
+        for group in value.param_groups:
+            for param in group["params"]:
+                state = states.get(param) if hasattr(states, "get") else None
+                if not state:
+                    continue
+                pname = self.param_names.get(id(param)) or f"<{'x'.join(map(str, param.shape))}>"
+                for key, item in state.items():
+                    if _is_xla(item):
+                        self.tensor(item, f"{name}.state[{pname}].{key}", "optimizer state")
+
+    def value(self, value: Any, name: str, depth: int) -> None:
+        if _is_xla(value):
+            self.tensor(value, name, "other")
+            return
+        if isinstance(value, _SKIPPED) or value is None or type(value).__module__.startswith("IPython."):
+            return  # (the shell, as exit and quit, reaches the namespace again)
+        if id(value) in self.seen_objects:
+            return
+        self.seen_objects.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            self.module(value, name)
+        elif isinstance(value, torch.optim.Optimizer):
+            self.optimizer(value, name)
+        elif depth >= DEPTH:
+            return
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value[:4096]):
+                self.value(item, f"{name}[{index}]", depth + 1)
+        elif isinstance(value, dict):
+            for key, item in list(value.items())[:4096]:
+                label = repr(key) if isinstance(key, (str, int)) else f"<{type(key).__name__}>"
+                self.value(item, f"{name}[{label}]", depth + 1)
+        elif self.deep and hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+            try:
+                attributes = list(vars(value).items())
+            except TypeError:
+                return
+            for attribute, item in attributes:
+                if not attribute.startswith("__"):
+                    self.value(item, f"{name}.{attribute}", depth + 1)
+
+
+_SKIPPED = (types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, str, bytes,
+            int, float, bool, torch.device, torch.dtype)
+
+
+_get_tensor_id: Any = None  # torch_xla._XLAC._xla_get_tensor_id, once bound
+
+
+def _tensor_id(value: torch.Tensor) -> int:
+    global _get_tensor_id
+    try:
+        if _get_tensor_id is None:
+            import torch_xla
+
+            _get_tensor_id = torch_xla._XLAC._xla_get_tensor_id
+        return int(_get_tensor_id(value))
+    except Exception:  # a tensor torch_xla cannot name (a functional wrapper): Python's identity
+        return -id(value)
+
+
+def _roots(namespace: dict[str, Any], frame: types.FrameType | None) -> Iterator[tuple[str, Any]]:
+    """The names a user can see: the namespace's, then the locals of the running cell's frames."""
+    for name, value in list(namespace.items()):
+        if not name.startswith("_"):
+            yield name, value
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<xla_") and frame.f_code.co_name != "<module>":
+            try:
+                local = dict(frame.f_locals)
+            except Exception:
+                local = {}
+            for name, value in local.items():
+                yield name, value
+        frame = frame.f_back
+
+
+def _walk(namespace: dict[str, Any], frame: types.FrameType | None, deep: bool) -> _Walk:
+    """Modules first, then optimizers (their state is named by the parameters' names), then names that hold a
+    tensor themselves, then everything else: so each tensor gets its shortest, most telling name."""
+    walk = _Walk(deep)
+    roots = list(_roots(namespace, frame))
+    for name, value in roots:
+        if isinstance(value, torch.nn.Module):
+            walk.value(value, name, 0)
+    for name, value in roots:
+        if isinstance(value, torch.optim.Optimizer):
+            walk.value(value, name, 0)
+    for name, value in roots:
+        if _is_xla(value):
+            walk.tensor(value, name, "other")
+    for name, value in roots:
+        walk.value(value, name, 0)
+    return walk
+
+
+def count(namespace: dict[str, Any], frame: types.FrameType | None = None) -> int:
+    """The bytes (padded to TPU tiles) of the tensors the names reach, right after a sync (each holds its buffer).
+
+    The simulation's count at every sync: containers, modules and optimizers only (no plain objects'
+    attributes), and no record per tensor, so that it costs a small fraction of a training step.
+    """
+    total = 0
+    for value, _name, _kind in _walk(namespace, frame, deep=False).found.values():
+        total += padded_bytes(tuple(value.shape), value.element_size())
+    return total
+
+
+def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
+            everything: bool = False) -> list[dict[str, Any]]:
+    """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
+
+    ``everything``: also the XLA tensors no name reaches, found among every object the garbage collector tracks.
+    """
+    walk = _walk(namespace, frame, deep=True)
+    if everything:
+        for value in gc.get_objects():
+            if _is_xla(value) and _tensor_id(value) not in walk.found:
+                walk.tensor(value, "unnamed", "other")
+    found = []
+    for value, name, kind in walk.found.values():
+        shape = tuple(value.shape)
+        itemsize = value.element_size()
+        found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
+                      "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value})
+    _mark_pending(found)
+    found.sort(key=lambda holder: -holder["padded"])
+    return found
+
+
+def _mark_pending(found: list[dict[str, Any]]) -> None:
+    """Which tensors are still a graph to run (no buffer yet): metadata, read without a sync."""
+    try:
+        import torch_xla
+
+        pending = torch_xla._XLAC._check_tensor_need_materialization([holder["tensor"] for holder in found])
+    except Exception:
+        pending = [False] * len(found)
+    for holder, waiting in zip(found, pending):
+        holder["pending"] = bool(waiting)
+
+
+def totals(found: list[dict[str, Any]]) -> dict[str, int]:
+    """Bytes (padded) by kind, of the tensors that hold a buffer now."""
+    sums = dict.fromkeys(KINDS, 0)
+    for holder in found:
+        if not holder.get("pending"):
+            sums[holder["kind"]] += holder["padded"]
+    return sums
+
+
+def sample(namespace: dict[str, Any], frame: types.FrameType | None = None, everything: bool = True,
+           limit: int = 200) -> dict[str, Any]:
+    """%xla_memory's answer: the holders (the ``limit`` largest, without the tensors), totals and the runtime's
+    figures; ``everything``: unnamed tensors too (a walk over every object the garbage collector tracks)."""
+    found = holders(namespace, frame, everything)
+    answer: dict[str, Any] = {
+        "holders": [{key: value for key, value in holder.items() if key != "tensor"} for holder in found[:limit]],
+        "count": len(found),
+        "totals": totals(found),
+        "device": device_figures(),
+    }
+    return answer
+
+
+def device_figures() -> dict[str, int] | None:
+    """The runtime's (or the simulation's) bytes_used, bytes_limit, peak_bytes_used; None where it reports none."""
+    try:
+        import torch_xla
+
+        info = torch_xla._XLAC._xla_memory_info(str(torch_xla.device()))
+        return {key: int(value) for key, value in dict(info).items() if isinstance(value, (int, float))} or None
+    except Exception:
+        return None
+
+
+# --- an out-of-memory error, explained --------------------------------------------------
+
+
+def is_device_oom(exc: BaseException) -> bool:
+    try:
+        text = str(exc)
+    except Exception:
+        return False
+    return any(marker in text for marker in OOM_MARKERS)
+
+
+def human(size: float) -> str:
+    """Bytes as XLA writes them in its messages: 196.00M, 1.50G, 512B."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f}{unit}"
+    return f"{int(size)}B"
+
+
+_ASKED = re.compile(r"Attempting to allocate (?P<number>[0-9.]+)(?P<unit>[KMGT]?)")
+
+
+def _asked(message: str) -> int:
+    """The bytes an out-of-memory message says were asked for (XLA writes 196.00M); 0 where it says none."""
+    found = _ASKED.search(message)
+    if found is None:
+        return 0
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found["unit"]]
+    return int(float(found["number"]) * scale)
+
+
+def dominant(sums: dict[str, int], temporaries: int) -> str:
+    """What fills the device: "weights" (parameters, gradients and optimizer state), "temporaries", or "leftovers"."""
+    weights = sums["parameters"] + sums["gradients"] + sums["optimizer state"]
+    others = sums["other"]
+    if temporaries >= max(weights, others):
+        return "temporaries"
+    return "weights" if weights >= others else "leftovers"
+
+
+# What the line under an out-of-memory error says dominates (display.py chooses the advice by it).
+MOSTLY = {
+    "weights": "Most of it: parameters, gradients and optimizer state.",
+    "temporaries": "Most of it: the graph's temporaries and activations.",
+    "leftovers": "Most of it: tensors left from earlier cells ({names}).",
+}
+
+
+def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
+    """The lines shown under the cell for a device out-of-memory error ('' for any other error)."""
+    if not is_device_oom(exc):
+        return ""
+    tb = exc.__traceback__
+    frame = None
+    while tb is not None:
+        frame = tb.tb_frame
+        tb = tb.tb_next
+    try:
+        found = holders(namespace, frame)
+    except Exception as broken:
+        return f"\nDevice memory on rank {rank}: the holders could not be read ({type(broken).__name__}: {broken})."
+    sums = totals(found)
+    # The simulation knows the graph's temporaries; a TPU's runtime says only what it asked for.
+    simulated = hasattr(exc, "temporaries")
+    temporaries = int(exc.temporaries or 0) if simulated else _asked(str(exc))  # type: ignore[attr-defined]
+    lines = ["", f"Device memory on rank {rank} when it ran out (as %xla_memory names it):"]
+    for holder in [h for h in found if not h.get("pending")][:SHOWN]:
+        lines.append(f"  {human(holder['padded']):>9}  {holder['name']}  {holder['dtype']}{holder['shape']}  "
+                     f"({holder['kind']})")
+    needed = "the graph's temporaries" if simulated else "asked for"
+    lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
+                 + (f", {needed} {human(temporaries)}" if temporaries else ""))
+    if sum(sums.values()) + temporaries:  # nothing held and nothing asked: no guess at what dominates
+        why = dominant(sums, temporaries)
+        names = [h["name"] for h in found if h["kind"] == "other" and not h.get("pending") and h["name"] != "unnamed"]
+        lines.append(MOSTLY[why].format(names=", ".join(names[:4]) or "unnamed"))
+    lines.append("The rank survived it: a pool keeps its ranks and their names; free memory and run the cell again.")
+    return "\n".join(lines)

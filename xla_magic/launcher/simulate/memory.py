@@ -1,0 +1,175 @@
+"""The simulated device's memory: a limit, a count, ``get_memory_info`` and RESOURCE_EXHAUSTED. Runs in a rank.
+
+XLA:CPU reports no device memory (its ``get_memory_info`` is
+UNIMPLEMENTED), so on a laptop code that reads it, the memory views and
+the out-of-memory path would never run. Here each simulated device has a
+limit: ``XLA_MAGIC_SIM_HBM`` (a size such as ``16G``, ``512M``, ``1.5GiB``,
+a number of bytes, or a TPU kind: ``v2``, ``v3``, ``v4``, ``v5e``, ``v5p``,
+``v6e``), by default a v5e's 16 GiB; ``off`` counts nothing (XLA:CPU's own
+``get_memory_info``, which is UNIMPLEMENTED).
+
+After every ``torch_xla.sync`` (``xm.mark_step`` and ``torch_xla.step``
+call it) the rank counts what holds its device: the XLA tensors the user
+can name (launcher/memory.py: the namespace and the cell's frames),
+padded to TPU tiles, plus the temporaries of the graph that the sync ran,
+from torch_xla's compilation analysis (xla_analysis.py; remembered by the
+line that synced, since a cached graph is not analysed again). Past the
+limit, the sync raises RuntimeError with the TPU runtime's wording. The
+figures answer ``xm.get_memory_info`` (``torch_xla._XLAC._xla_memory_info``).
+
+How far this is from a TPU: tensors no name reaches (a library's caches)
+are not counted, nor, at a sync, tensors held only as a plain object's
+attribute (a trainer's ``self.model``: %xla_memory finds those); XLA:CPU's temporaries differ from a TPU's (other fusion,
+no tile padding inside the graph); the count is taken at syncs only, so a
+``.to(device)`` past the limit fails at the next sync, not at its line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from typing import Any, Callable
+
+from xla_magic.launcher import memory, shell, xla_analysis
+
+VARIABLE = "XLA_MAGIC_SIM_HBM"
+GIB = 1 << 30
+DEFAULT_LIMIT = 16 * GIB  # a v5e's HBM
+# HBM per device (a core on v2/v3, a chip from v4 on)
+TPU_KINDS = {"v2": 8 * GIB, "v3": 16 * GIB, "v4": 32 * GIB, "v5e": 16 * GIB, "v5litepod": 16 * GIB,
+             "v5p": 95 * GIB, "v6e": 32 * GIB}
+_SIZE = re.compile(r"^\s*(?P<number>\d+(\.\d+)?)\s*(?P<unit>[kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_limit(text: str | None) -> int:
+    """``XLA_MAGIC_SIM_HBM``'s bytes (binary units, as TPU runtimes count); ValueError saying what it takes."""
+    if text is None or not text.strip():
+        return DEFAULT_LIMIT
+    kind = text.strip().lower().removeprefix("tpu ").removeprefix("tpu")
+    if kind in TPU_KINDS:
+        return TPU_KINDS[kind]
+    found = _SIZE.match(text)
+    if found is None or float(found["number"]) <= 0:
+        raise ValueError(f"{VARIABLE}={text!r} is not a size: give bytes (1000000), a size (512M, 16G, 1.5GiB) "
+                         f"or a TPU kind ({', '.join(TPU_KINDS)})")
+    return int(float(found["number"]) * _UNITS[found["unit"].lower()])
+
+
+class Book:
+    """One simulated device's memory: the limit, the last count, the peak and each sync line's temporaries."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+        self.temporaries: dict[tuple[str, int], int] = {}  # by the line that synced
+        self.analysis_seen = 0  # how far into the analysis file this book has read
+
+    def figures(self) -> dict[str, int]:
+        with self.lock:
+            return {"bytes_used": self.used, "bytes_limit": self.limit, "peak_bytes_used": self.peak}
+
+    def after_sync(self, where: tuple[str, int], frame: Any) -> None:
+        """Count after a sync ran a graph; RuntimeError, as a TPU's runtime words it, past the limit."""
+        try:
+            namespace = shell.calling_home().namespace
+        except RuntimeError:
+            namespace = {}
+        used = memory.count(namespace, frame)
+        temporaries = self._temporaries(where)
+        with self.lock:
+            was = self.used
+            self.used = used
+            self.peak = max(self.peak, used + temporaries)
+        if used + temporaries > self.limit:
+            asked = max(used - was, 0) + temporaries
+            free = max(self.limit - was, 0)
+            error = RuntimeError(f"RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate "
+                                 f"{memory.human(asked)}. That was not possible. There are {memory.human(free)} free.")
+            error.temporaries = temporaries  # type: ignore[attr-defined]
+            raise error
+
+    def _temporaries(self, where: tuple[str, int]) -> int:
+        """The temporaries of the graph this sync ran: what the analysis gained (a compile), else the line's last."""
+        path = xla_analysis._analysis_file
+        if path is None:
+            return self.temporaries.get(where, 0)
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return self.temporaries.get(where, 0)
+        if size < self.analysis_seen:  # the cell's account read it (and emptied it)
+            self.analysis_seen = 0
+        if size > self.analysis_seen:
+            with open(path, errors="replace") as file:
+                file.seek(self.analysis_seen)
+                text = file.read()
+            self.analysis_seen = size
+            blocks = xla_analysis.parse_analysis(text)
+            if blocks:
+                self.temporaries[where] = max(block["memory"].get("temporaries", 0) for block in blocks)
+        return self.temporaries.get(where, 0)
+
+
+_book: Book | None = None
+
+
+def book() -> Book | None:
+    return _book
+
+
+def install() -> None:
+    """Give this rank's device a limit and count it (simulate.install calls this, after the collectives)."""
+    global _book
+    import torch_xla
+
+    if os.environ.get(VARIABLE, "").strip().lower() == "off":  # XLA:CPU's own: no figures, no limit
+        return
+    _book = Book(parse_limit(os.environ.get(VARIABLE)))
+    torch_xla._XLAC._xla_memory_info = memory_info
+    package, module = sys.modules["torch_xla"], sys.modules["torch_xla.torch_xla"]
+    original = module.sync
+    if getattr(original, "_xla_magic_memory", False):
+        return
+    counted = _counted_sync(original)
+    module.sync = package.sync = counted
+
+
+def memory_info(device: Any = None) -> dict[str, int]:
+    """``torch_xla._XLAC._xla_memory_info`` (what ``xm.get_memory_info`` returns): the simulated device's figures."""
+    return _book.figures() if _book is not None else {}
+
+
+def _counted_sync(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sync(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        current = _book
+        if current is not None:
+            caller = _callers_frame(sys._getframe(1))
+            current.after_sync((caller.f_code.co_filename, caller.f_lineno), caller)
+        return result
+
+    sync.__name__ = sync.__qualname__ = original.__name__
+    sync.__doc__ = original.__doc__
+    sync.__wrapped__ = original  # type: ignore[attr-defined]
+    sync._xla_magic_memory = True  # type: ignore[attr-defined]
+    return sync
+
+
+_OURS = ("torch_xla", os.path.join("xla_magic", "launcher"))
+
+
+def _callers_frame(frame: Any) -> Any:
+    """The user's frame that synced (xm.mark_step's caller, not mark_step), within a few frames."""
+    first = frame
+    for _ in range(8):
+        if frame is None:
+            break
+        if not any(part in frame.f_code.co_filename for part in _OURS):
+            return frame
+        frame = frame.f_back
+    return first

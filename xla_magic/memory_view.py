@@ -1,0 +1,203 @@
+"""``%xla_memory``: what holds each device's memory, named, asked of a pool's ranks. Runs in the kernel.
+
+Each rank's stack sampler answers protocol.MEMORY from a thread of its own
+(launcher/stacks.py, launcher/memory.py), so the ranks answer between cells
+and while a cell runs, without a sync or a compile. Between cells the
+answers are read here; while a request runs, its own reader hands them over
+(``take``, from run/events.py). The largest compiled graph's own needs come
+from the XLA accounts the kernel already holds (the cells' records).
+XLA-free, like the rest of the kernel.
+"""
+
+from __future__ import annotations
+
+import selectors
+import threading
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+
+from xla_magic.wire import protocol
+
+ANSWER_WAIT = 10.0  # seconds a rank gets to walk its names (a gc walk of a large process takes a while)
+SHOWN = 20  # holders listed for the rank shown in full
+KINDS = ("parameters", "gradients", "optimizer state", "other")
+GRAPH_PARTS = (("inputs", "arguments"), ("outputs", "outputs"), ("temporaries", "temporaries"), ("program", "program"))
+
+_answers: dict[int, dict[int, dict[str, Any]]] = {}  # probe -> rank -> answer, filled by a running request's reader
+_lock = threading.Lock()
+_probes = 0
+
+
+def take(rank: int, fields: dict[str, Any]) -> None:
+    """A MEMORY answer that a running request's reader met (run/events.py): kept for the probe that asked."""
+    with _lock:
+        if fields.get("probe") in _answers:
+            _answers[fields["probe"]][rank] = fields
+
+
+def human(size: float) -> str:
+    """Bytes as XLA writes them: 196.00M, 1.50G, 512B."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f}{unit}"
+    return f"{int(size)}B"
+
+
+def ask(pool: Any, ranks: list[int], full: int) -> dict[int, dict[str, Any]]:
+    """Each of ``ranks``' answers (``unanswered`` where none came); rank ``full`` lists its holders, the others
+    send their totals (without the walk over every object for unnamed tensors)."""
+    global _probes
+    conns = pool.ranks
+    with _lock:
+        _probes += 1
+        probe = _probes
+        _answers[probe] = {}
+    running = pool.state == "running"  # its request reads the samplers' sockets: answers come through take()
+    asked = []
+    for rank in ranks:
+        frame = protocol.encode(protocol.MEMORY, probe=probe, full=rank == full)
+        sock = conns.samplers[rank].sock if rank < len(conns.samplers) else None
+        if sock is None or sock.fileno() < 0:
+            continue
+        try:
+            sock.send(frame)
+        except OSError:
+            continue
+        asked.append(rank)
+    deadline = time.monotonic() + ANSWER_WAIT
+    try:
+        if running:
+            while time.monotonic() < deadline and len(_answers[probe]) < len(asked):
+                time.sleep(0.02)  # (a polling loop: the request's reader fills the answers)
+        else:
+            _read(conns, asked, probe, deadline)
+        with _lock:
+            found = dict(_answers[probe])
+    finally:
+        with _lock:
+            _answers.pop(probe, None)
+    for rank in ranks:
+        found.setdefault(rank, {"unanswered": "it did not answer (busy in native code that holds the GIL, or gone)"})
+    return found
+
+
+def _read(conns: Any, asked: list[int], probe: int, deadline: float) -> None:
+    with selectors.DefaultSelector() as selector:
+        for rank in asked:
+            selector.register(conns.samplers[rank].sock, selectors.EVENT_READ, conns.samplers[rank])
+        while len(_answers[probe]) < len(asked) and time.monotonic() < deadline:
+            for key, _mask in selector.select(max(0.0, deadline - time.monotonic())):
+                conn = key.data
+                for event in conn.reader.feed(conn.receive() or b""):
+                    if event.kind == protocol.MEMORY and event.fields.get("probe") == probe:
+                        _answers[probe][conn.rank] = event.fields
+
+
+def largest_graph(history: list[Any], rank: int) -> tuple[Any, dict[str, Any]] | None:
+    """The compiled graph with the largest needs among the cells the kernel remembers, on ``rank``: (record, compilation)."""
+    best = None
+    for record in history:
+        state = record.ranks.get(rank)
+        account = state.xla if state is not None else None
+        for compilation in (account or {}).get("compilations", ()):
+            size = sum((compilation.get("memory") or {}).values())
+            if size and (best is None or size > best[0]):
+                best = (size, record, compilation)
+    return (best[1], best[2]) if best else None
+
+
+def report(pool: Any, history: list[Any], rank: int | None) -> list[str]:
+    """``%xla_memory``'s lines: one rank's holders in full (``rank``, or 0), every asked rank's totals."""
+    if pool is None:
+        raise UsageError("no pool is running: %xla_memory asks a pool's ranks what holds their device memory; "
+                         "start one with %xla_pool start [--devices N]")
+    if not hasattr(pool, "ranks") or not hasattr(pool.ranks, "samplers"):
+        raise UsageError("%xla_memory asks the ranks of a pool on this host; a pool across hosts does not answer it yet")
+    size = pool.world_size
+    if rank is not None and not 0 <= rank < size:
+        raise UsageError(f"--rank must be between 0 and {size - 1} (the pool has {size} ranks)")
+    if pool.state not in ("ready", "running"):
+        raise UsageError(f"the pool is {pool.state}, so its ranks cannot answer: %xla_pool restart starts it anew")
+    wanted = [rank] if rank is not None else list(range(1 if pool.one_value else size))
+    shown = rank if rank is not None else wanted[0]
+    answers = ask(pool, wanted, shown)
+    lines = _rank_lines(shown, answers[shown], pool.label(shown))
+    graph = largest_graph(history, shown)
+    if graph is not None:
+        record, compilation = graph
+        memory = compilation["memory"]
+        where = f"cell {record.run_id}" + (f", line {compilation['line']}: {compilation['code']}" if compilation.get("line") else "")
+        lines.append(f"The largest compiled graph ({where}) needs: "
+                     + ", ".join(f"{label} {human(memory[key])}" for key, label in GRAPH_PARTS if key in memory))
+    if len(wanted) > 1:
+        lines.append("Every rank:")
+        for other in wanted:
+            lines.append("  " + _one_line(pool.label(other), answers[other]))
+    return lines
+
+
+def _rank_lines(rank: int, answer: dict[str, Any], label: str) -> list[str]:
+    if "unanswered" in answer or "unreadable" in answer:
+        why = answer.get("unanswered") or f"its names changed while they were read ({answer['unreadable']}); ask again"
+        return [f"Device memory of {label}: not read: {why}."]
+    device = answer.get("device") or {}
+    head = f"Device memory of {label}"
+    if device:
+        head += (f": {human(device.get('bytes_used', 0))} used of {human(device.get('bytes_limit', 0))}, "
+                 f"peak {human(device.get('peak_bytes_used', 0))}")
+    holders = answer.get("holders", [])
+    lines = [head, f"{len(holders) if answer.get('count', 0) <= len(holders) else answer['count']} tensors "
+                   f"(sizes as numel × element size; on a TPU padded to its tiles):"]
+    for holder in holders[:SHOWN]:
+        shape = f"{holder['dtype']}[{', '.join(map(str, holder['shape']))}]"
+        pending = "  (not computed yet: no buffer)" if holder.get("pending") else ""
+        lines.append(f"  {human(holder['bytes']):>9} {human(holder['padded']):>9} on a TPU  {holder['name']}  "
+                     f"{shape}  {holder['kind']}{pending}")
+    if answer.get("count", 0) > SHOWN:
+        lines.append(f"  ... and {answer['count'] - SHOWN} smaller")
+    totals = answer.get("totals", {})
+    lines.append("By kind (on a TPU): " + ", ".join(f"{kind} {human(totals.get(kind, 0))}" for kind in KINDS))
+    return lines
+
+
+def _one_line(label: str, answer: dict[str, Any]) -> str:
+    if "unanswered" in answer or "unreadable" in answer:
+        return f"{label}: not read ({answer.get('unanswered') or answer['unreadable']})"
+    totals = answer.get("totals", {})
+    device = answer.get("device") or {}
+    used = f"{human(device['bytes_used'])} of {human(device['bytes_limit'])} used; " if "bytes_used" in device else ""
+    return f"{label}: {used}" + ", ".join(f"{kind} {human(totals.get(kind, 0))}" for kind in KINDS)
+
+
+# --- the line under the cell ----------------------------------------------------------------
+
+NEAR_LIMIT = 0.8  # a cell whose peak passes this share of a device's limit says so under the cell
+
+
+def cell_peaks(record: Any) -> dict[int, tuple[int, int]]:
+    """Each rank's peak during the cell and its device's limit, from the samples its rank sent (rank.MemoryReporter)."""
+    peaks = {}
+    for rank, state in record.ranks.items():
+        memory = state.memory or {}
+        if "cell_peak_bytes" in memory:
+            peaks[rank] = (memory["cell_peak_bytes"], memory.get("bytes_limit", 0))
+    return peaks
+
+
+def peak_finding(record: Any) -> str | None:
+    """``peak device memory 950.00K per rank (90% of rank 0's 1.00M ...)`` for the line under the cell, when a
+    rank's peak during the cell came within NEAR_LIMIT of its device's limit; None otherwise (a quiet line)."""
+    peaks = cell_peaks(record)
+    near = [rank for rank, (peak, limit) in peaks.items() if limit and peak >= NEAR_LIMIT * limit]
+    if not near:
+        return None
+    values = {peak for peak, _limit in peaks.values()}
+    if len(values) == 1:
+        text = f"peak device memory {human(values.pop())} per rank"
+    else:
+        text = "peak device memory " + ", ".join(f"r{rank} {human(peak)}" for rank, (peak, _l) in sorted(peaks.items()))
+    rank = max(near, key=lambda r: peaks[r][0] / peaks[r][1])
+    peak, limit = peaks[rank]
+    return text + f" ({peak * 100 // limit}% of rank {rank}'s {human(limit)}: %xla_memory names what holds it)"
