@@ -394,3 +394,35 @@ def test_a_background_run_goes_on_through_a_restart_and_the_next_kernel_replays_
         ok(kernel, "%xla_pool stop long")
     finally:
         kernel.close()
+
+
+def test_a_background_run_goes_on_when_the_extension_unloads_and_a_reload_follows_it(pools_home, tmp_path):
+    # The session closes (%unload_ext) while a run goes on in its kept pool: the run is left to the pool, its
+    # log stops without an end, and the same kernel, loading the extension again, takes it over.
+    flag = tmp_path / "go-on"
+    kernel = Kernel()
+    try:
+        ok(kernel, "%load_ext xla_magic")
+        ok(kernel, "%xla_pool start --keep again --devices 2 --backend cpu")
+        ok(kernel, f"%%xla_spawn --bg\nimport os, time\nprint('one', flush=True)\n"
+                   f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.05)\nprint('two', flush=True)\nrank")
+        logs = pools_home / "xla_magic" / "pools" / "again" / "runs"
+        deadline = time.monotonic() + WAIT
+        while True:
+            found = list(logs.glob("run-*.jsonl")) if logs.exists() else []
+            if found and run_log.text(run_log.read(str(found[0]))).count("one") == 2:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ok(kernel, "%unload_ext xla_magic")
+        assert not any("end" in entry for entry in run_log.read(str(found[0]))), "no end: the run goes on"
+        ok(kernel, "%load_ext xla_magic")
+        text = ok(kernel, "%xla_pool attach again")
+        assert "run 2 (import os, time) went on in kept pool again" in text and "[rank 1] one" in text, text
+        flag.write_text("")
+        assert ok(kernel, "%xla_run wait 2").strip() == "[0, 1]"
+        shown = ok(kernel, "%xla_run show 2")
+        assert [line for line in shown.splitlines() if line.startswith("[rank 0]")] == ["[rank 0] one", "[rank 0] two"]
+        ok(kernel, "%xla_pool stop again")
+    finally:
+        kernel.close()

@@ -371,8 +371,11 @@ class Runs:
         counter.run_count = max(counter.run_count, run_id)
         self.shell = shell
         path = going.get("log")
-        if path and os.path.exists(path):
-            entries = run_log.read(path)
+        try:
+            entries = run_log.read(path) if path else None
+        except (OSError, ValueError):  # gone, or its kernel died before its first line was whole
+            entries = None
+        if entries:
             print(f"run {run_id} ({first_line(going['cell'])}) went on in kept pool {pool.name} after its kernel went; "
                   f"its output so far, from its log, then the rest live (%xla_run show {run_id}, %xla_run wait "
                   f"{run_id}):", flush=True)
