@@ -378,17 +378,31 @@ def test_a_background_run_goes_on_through_a_restart_and_the_next_kernel_replays_
             time.sleep(0.05)
         ok(kernel, "%load_ext xla_magic")
         assert "running run 2 (import os, time)" in ok(kernel, "%xla_pool list")
-        text = ok(kernel, "%xla_pool attach long")
+        chunks: list[str] = []
+        reply = kernel.client.execute_interactive(
+            "%xla_pool attach long", timeout=WAIT,
+            output_hook=lambda msg: chunks.append(msg["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", chunks
+        text = "".join(chunks)
         assert "run 2 (import os, time) went on in kept pool long" in text, text
         assert all(f"[rank {rank}] a{i}" in text for rank in range(2) for i in range(3)), text  # from the log
         attached.write_text("")
+        # The rest comes under the attaching cell, live: what waited in the sockets, then what follows.
+        deadline = time.monotonic() + WAIT
+        while "run 2 ended after" not in text:
+            assert time.monotonic() < deadline, text
+            message = kernel.client.get_iopub_msg(timeout=WAIT)
+            if message["msg_type"] == "stream" and message["parent_header"].get("msg_id") == reply["parent_header"][
+                    "msg_id"]:
+                text += message["content"]["text"]
         assert ok(kernel, "%xla_run wait 2").strip() == "[1, 11]"
         listed = ok(kernel, "%xla_runs")
         assert "import os, time" in listed and "done" in listed, listed
         shown = ok(kernel, "%xla_run show 2")
-        for rank in range(2):
-            lines = [line.split("] ", 1)[1] for line in shown.splitlines() if line.startswith(f"[rank {rank}] ")]
-            assert lines == ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"], shown  # each once, in order
+        for output in (text, shown):  # under the attaching cell, and replayed from the log
+            for rank in range(2):
+                lines = [line.split("] ", 1)[1] for line in output.splitlines() if line.startswith(f"[rank {rank}] ")]
+                assert lines == ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"], output  # each once, in order
         assert "run 2 ended after" in shown, shown
         assert "running run" not in ok(kernel, "%xla_pool list")
         ok(kernel, "%xla_pool stop long")
