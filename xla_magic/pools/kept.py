@@ -257,14 +257,10 @@ class KeptPool(LocalPool):
             self._followed(run_id)
 
     def _followed(self, run_id: int) -> None:
-        """This kernel stopped following run ``run_id``: it ended, or the kernel let go of the pool while the run
-        went on, and then any kernel may follow it."""
+        """This kernel stopped following run ``run_id``: it ended, unless the kernel let go of the pool while the
+        run went on (:meth:`leave` said so in ``run.json``)."""
         if not self.left:
             self.run_ended(run_id)
-            return
-        going = kept.read_run(self.name)
-        if going is not None and going.get("id") == run_id and going.get("kernel") == os.getpid():
-            kept.write_record(kept.directory(self.name), {**going, "kernel": None}, kept.RUN)
 
     def run_going(self) -> dict[str, Any] | None:
         """The run a kernel that went left going in the pool (``run.json``), if any."""
@@ -340,7 +336,15 @@ class KeptPool(LocalPool):
 
     def leave(self) -> None:
         """The kernel lets go of the pool (its session closes, or another kernel took it): the pool stays."""
+        if self.left:
+            return
         self.left = True
+        going = kept.read_run(self.name)
+        if going is not None and going.get("kernel") == os.getpid():  # a run it followed: any kernel may now
+            try:
+                kept.write_record(kept.directory(self.name), {**going, "kernel": None}, kept.RUN)
+            except OSError:
+                pass  # the pool is gone meanwhile
         ranks = self.ranks
         ranks.selector.close()
         for conn in ranks.events + ranks.outputs + ranks.samplers + ([ranks.supervisor] if ranks.supervisor else []):

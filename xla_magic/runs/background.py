@@ -32,6 +32,7 @@ from xla_magic.runs import log as run_log
 from xla_magic.runs import routing
 
 POLL = 0.05  # how often a waiter looks for the end, or for a rank's question
+DETACH_WAIT = 10.0  # for a kept pool's run to let go of its log as its session closes
 
 
 class Workers:
@@ -476,6 +477,8 @@ class Runs:
         for run in self.living():
             if getattr(run.pool, "runs_directory", None) is not None:
                 run.detached = True
+                run.pool.leave()  # its thread reads no more, writes down what it read, and lets go of the log
+                run._done.wait(DETACH_WAIT)
                 continue
             run.stop_requested = True
             run.begin()  # (a run never begun ends at once, stopped)
