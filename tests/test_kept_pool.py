@@ -29,6 +29,7 @@ from IPython.core.error import UsageError
 
 from helpers import Kernel, pool_magic
 from xla_magic.pools import kept as kept_pools
+from xla_magic.runs import log as run_log
 from xla_magic.wire import kept
 
 MODEL = ("import torch\n"
@@ -293,9 +294,9 @@ def test_a_kept_pool_restarts_kept_and_stops_from_the_kernel_attached(ip, pools_
     assert kept.names() == [] and "no kept pools" in pool_magic(ip, "list")
 
 
-def test_a_cell_running_when_its_kernel_is_killed_goes_on_and_its_names_are_there(pools_home, tmp_path):
-    # Not replayed as its own output yet (that needs the run's log): the next cell shows what it printed after
-    # the kernel went, then the cell's own value.
+def test_a_cell_running_when_its_kernel_is_killed_goes_on_and_the_next_kernel_follows_it(pools_home, tmp_path):
+    # A foreground cell has no log: what it printed before showed under its own cell. The attached kernel
+    # adopts it as a run of its own, follows it live to its end, and then its names are there.
     flag = tmp_path / "go-on"
     first, second = Kernel(), None
     try:
@@ -315,12 +316,127 @@ def test_a_cell_running_when_its_kernel_is_killed_goes_on_and_its_names_are_ther
         assert wait_gone(first.pid)
         second = Kernel()
         ok(second, "%load_ext xla_magic")
-        ok(second, "%xla_pool attach busy")
+        assert "running run 2 (%%xla_spawn" not in ok(second, "%xla_pool list")  # (the cell's first line is its own)
+        assert "running run 2 (import os, time)" in ok(second, "%xla_pool list")
+        attached = ok(second, "%xla_pool attach busy")
+        assert "run 2 (import os, time) went on in kept pool busy" in attached, attached
         flag.write_text("")
-        text = ok(second, "%%xla_spawn\nx")
-        assert "[rank 0] finished" in text and "[rank 1] finished" in text and text.strip().endswith("[7, 7]"), text
+        assert ok(second, "%xla_run wait 2").strip() == "", "a cell without a value"
+        shown = ok(second, "%xla_run show 2")
+        assert "[rank 0] finished" in shown and "[rank 1] finished" in shown, shown
+        assert ok(second, "%%xla_spawn\nx").strip().endswith("[7, 7]")
+        assert "running run" not in ok(second, "%xla_pool list")
         ok(second, "%xla_pool stop busy")
     finally:
         first.close()
         if second is not None:
             second.close()
+
+
+RUN = """import os, time
+def wait_for(path):
+    while not os.path.exists(path):
+        time.sleep(0.05)
+for i in range(3):
+    print(f'a{{i}}', flush=True)
+wait_for({restarted!r})
+for i in range(3):
+    print(f'b{{i}}', flush=True)
+open({printed!r} + str(rank), 'w').close()
+wait_for({attached!r})
+for i in range(3):
+    print(f'c{{i}}', flush=True)
+rank * 10 + 1"""
+
+
+def test_a_background_run_goes_on_through_a_restart_and_the_next_kernel_replays_then_follows_it(pools_home,
+                                                                                              tmp_path):
+    restarted, printed, attached = tmp_path / "restarted", str(tmp_path / "printed-"), tmp_path / "attached"
+    kernel = Kernel()
+    try:
+        ok(kernel, "%load_ext xla_magic")
+        ok(kernel, "%xla_pool start --keep long --devices 2 --backend cpu")
+        ok(kernel, "%%xla_spawn --bg -o run\n" + RUN.format(restarted=str(restarted), printed=printed,
+                                                              attached=str(attached)))
+        # The run's log is in the kept pool's directory, and holds the lines of before the restart.
+        logs = pools_home / "xla_magic" / "pools" / "long" / "runs"
+        deadline = time.monotonic() + WAIT
+        while True:
+            found = list(logs.glob("run-*.jsonl")) if logs.exists() else []
+            shown = run_log.text(run_log.read(str(found[0]))) if found else ""
+            if shown.count("a2") == 2:
+                break
+            assert time.monotonic() < deadline, shown
+            time.sleep(0.05)
+        assert "running run 2 (import os, time)" in ok(kernel, "%xla_pool list")
+
+        kernel.manager.restart_kernel(now=True)
+        restarted.write_text("")  # the b lines are printed while no kernel is attached: they wait in the sockets
+        deadline = time.monotonic() + WAIT
+        while not all(os.path.exists(printed + str(rank)) for rank in range(2)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ok(kernel, "%load_ext xla_magic")
+        assert "running run 2 (import os, time)" in ok(kernel, "%xla_pool list")
+        chunks: list[str] = []
+        reply = kernel.client.execute_interactive(
+            "%xla_pool attach long", timeout=WAIT,
+            output_hook=lambda msg: chunks.append(msg["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", chunks
+        text = "".join(chunks)
+        assert "run 2 (import os, time) went on in kept pool long" in text, text
+        assert all(f"[rank {rank}] a{i}" in text for rank in range(2) for i in range(3)), text  # from the log
+        attached.write_text("")
+        # The rest comes under the attaching cell, live: what waited in the sockets, then what follows.
+        deadline = time.monotonic() + WAIT
+        while "run 2 ended after" not in text:
+            assert time.monotonic() < deadline, text
+            message = kernel.client.get_iopub_msg(timeout=WAIT)
+            if message["msg_type"] == "stream" and message["parent_header"].get("msg_id") == reply["parent_header"][
+                    "msg_id"]:
+                text += message["content"]["text"]
+        assert ok(kernel, "%xla_run wait 2").strip() == "[1, 11]"
+        listed = ok(kernel, "%xla_runs")
+        assert "import os, time" in listed and "done" in listed, listed
+        shown = ok(kernel, "%xla_run show 2")
+        for output in (text, shown):  # under the attaching cell, and replayed from the log
+            for rank in range(2):
+                lines = [line.split("] ", 1)[1] for line in output.splitlines() if line.startswith(f"[rank {rank}] ")]
+                assert lines == ["a0", "a1", "a2", "b0", "b1", "b2", "c0", "c1", "c2"], output  # each once, in order
+        assert "run 2 ended after" in shown, shown
+        assert "running run" not in ok(kernel, "%xla_pool list")
+        ok(kernel, "%xla_pool stop long")
+    finally:
+        kernel.close()
+
+
+def test_a_background_run_goes_on_when_the_extension_unloads_and_a_reload_follows_it(pools_home, tmp_path):
+    # The session closes (%unload_ext) while a run goes on in its kept pool: the run is left to the pool, its
+    # log stops without an end, and the same kernel, loading the extension again, takes it over.
+    flag = tmp_path / "go-on"
+    kernel = Kernel()
+    try:
+        ok(kernel, "%load_ext xla_magic")
+        ok(kernel, "%xla_pool start --keep again --devices 2 --backend cpu")
+        ok(kernel, f"%%xla_spawn --bg\nimport os, time\nprint('one', flush=True)\n"
+                   f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.05)\nprint('two', flush=True)\nrank")
+        logs = pools_home / "xla_magic" / "pools" / "again" / "runs"
+        deadline = time.monotonic() + WAIT
+        while True:
+            found = list(logs.glob("run-*.jsonl")) if logs.exists() else []
+            if found and run_log.text(run_log.read(str(found[0]))).count("one") == 2:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ok(kernel, "%unload_ext xla_magic")
+        assert not any("end" in entry for entry in run_log.read(str(found[0]))), "no end: the run goes on"
+        ok(kernel, "%load_ext xla_magic")
+        text = ok(kernel, "%xla_pool attach again")
+        assert "run 2 (import os, time) went on in kept pool again" in text and "[rank 1] one" in text, text
+        flag.write_text("")
+        assert ok(kernel, "%xla_run wait 2").strip() == "[0, 1]"
+        shown = ok(kernel, "%xla_run show 2")
+        assert [line for line in shown.splitlines() if line.startswith("[rank 0]")] == ["[rank 0] one", "[rank 0] two"]
+        ok(kernel, "%xla_pool stop again")
+    finally:
+        kernel.close()

@@ -171,6 +171,7 @@ class Session:
         pool = kept.KeptPool.attach(self.host, name, steal)
         self.pool = pool
         print(f"attached: {pool.describe()}")
+        self.background.adopt(pool)  # a run its last kernel left going: replayed, then followed live
         return pool
 
     @staticmethod

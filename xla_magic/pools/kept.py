@@ -9,6 +9,11 @@ or connected through the pool's Unix socket at ``%xla_pool attach``, which
 hands over the kernel's ends of the ranks' sockets (SCM_RIGHTS). A new
 kernel's next cell then finds the old names, and the graphs compiled
 before, in the ranks.
+
+A cell running in the pool is named in the pool's ``run.json`` while it
+runs, and a background run's log is kept in the pool's directory: a kernel
+that attaches after the one that sent it went takes the run over
+(:meth:`KeptPool.follow_run`, runs/background.py's ``Runs.adopt``).
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, probe
+from xla_magic import compile_cache, payload, probe
 from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
 from xla_magic.pools import policy
 from xla_magic.pools.interface import PoolOptions
 from xla_magic.pools.this_host import LocalPool
 from xla_magic.ranks import Conn, Ranks
+from xla_magic.run.request import Request
 from xla_magic.runner import Runner
+from xla_magic.runs.background import first_line
 from xla_magic.wire import kept, protocol
 
 MAX_FDS = 253  # SCM_RIGHTS limit on Linux: a supervisor and 4 sockets a rank, for up to 63 ranks
@@ -171,6 +178,7 @@ class KeptPool(LocalPool):
         self.link = link
         self.name = link.name
         self.idle = idle
+        self.left = False  # this kernel let go of the pool: a run it followed goes on for the next one
 
     @classmethod
     def start_kept(cls, runner: Runner, options: PoolOptions) -> KeptPool:
@@ -224,6 +232,75 @@ class KeptPool(LocalPool):
         ranks = attached_ranks(event.fields, fds, runner.workdir, link)
         return cls(runner, ranks, None, link, float(record.get("idle_limit") or kept.DEFAULT_IDLE))
 
+    # -- the run going on, which outlives the kernel that sent it --------------------------
+
+    def runs_directory(self) -> str:
+        """Where the background runs in this pool keep their logs: the pool's own directory, not the session's."""
+        path = os.path.join(kept.directory(self.name), kept.RUNS)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+
+    def run_admitted(self, cell: Any) -> Any:
+        """A cell in the kept ranks, named in ``run.json`` while it runs: a kernel that attaches after this one
+        went follows it to its end (:meth:`follow_run`)."""
+        # The ids the runner gives this request next: its run's (a background run's has it), then the seq.
+        run_id = cell.run_id or self.runner.history.run_count + 1
+        log = os.path.join(self.runs_directory(), f"run-{run_id}-kernel-{os.getpid()}.jsonl")
+        has_result, _, _ = payload.analyse(cell.source, "<xla_spawn cell>")
+        kept.write_record(kept.directory(self.name), {
+            "id": run_id, "seq": self.ranks._seq + 1, "cell": cell.source, "has_result": has_result,
+            "log": log if os.path.exists(log) else None, "started": time.time(), "kernel": os.getpid(),
+        }, kept.RUN)
+        try:
+            return super().run_admitted(cell)
+        finally:
+            self._followed(run_id)
+
+    def _followed(self, run_id: int) -> None:
+        """This kernel stopped following run ``run_id``: it ended, unless the kernel let go of the pool while the
+        run went on (:meth:`leave` said so in ``run.json``)."""
+        if not self.left:
+            self.run_ended(run_id)
+
+    def run_going(self) -> dict[str, Any] | None:
+        """The run a kernel that went left going in the pool (``run.json``), if any."""
+        going = kept.read_run(self.name)
+        if going is None or kept.process_alive(going.get("kernel")):
+            return None  # (a kernel that still runs follows it itself: one whose pool was taken over with --steal)
+        return going
+
+    def run_adopted(self, going: dict[str, Any], log: str) -> None:
+        """This kernel follows the run now: ``run.json`` says so (and where its log goes on)."""
+        kept.write_record(kept.directory(self.name), {**going, "log": log, "kernel": os.getpid()}, kept.RUN)
+
+    def run_ended(self, run_id: int) -> None:
+        going = kept.read_run(self.name)
+        if going is not None and going.get("id") == run_id and going.get("kernel") == os.getpid():
+            try:
+                os.unlink(os.path.join(kept.directory(self.name), kept.RUN))
+            except FileNotFoundError:
+                pass
+
+    def follow_run(self, going: dict[str, Any]) -> Any:
+        """The work of the adopted run's thread: its request, sent by the kernel that went, followed to its end
+        on the sockets this kernel got at attach (what the ranks wrote meanwhile waits in them), with its value."""
+        runner, ranks = self.runner, self.ranks
+
+        def work(ask: Any) -> Any:
+            record = runner.record(int(going["id"]), going["cell"], ranks)
+            record.xla_report = "off"
+            request = Request(ranks, record, int(going["seq"]), None, workdir=runner.workdir,
+                              has_result=bool(going.get("has_result")), on_update=runner.history.notify,
+                              hang_after=ranks.hang_after, ask=ask)
+            runner.history.remember(record)
+            try:
+                request.start()
+                return ranks.value(request.wait())
+            finally:
+                self._followed(int(going["id"]))
+
+        return work
+
     # -- what differs from a pool that is not kept ------------------------------------
 
     def admit(self, cell: Any) -> None:
@@ -259,6 +336,15 @@ class KeptPool(LocalPool):
 
     def leave(self) -> None:
         """The kernel lets go of the pool (its session closes, or another kernel took it): the pool stays."""
+        if self.left:
+            return
+        self.left = True
+        going = kept.read_run(self.name)
+        if going is not None and going.get("kernel") == os.getpid():  # a run it followed: any kernel may now
+            try:
+                kept.write_record(kept.directory(self.name), {**going, "kernel": None}, kept.RUN)
+            except OSError:
+                pass  # the pool is gone meanwhile
         ranks = self.ranks
         ranks.selector.close()
         for conn in ranks.events + ranks.outputs + ranks.samplers + ([ranks.supervisor] if ranks.supervisor else []):
@@ -351,7 +437,12 @@ def summary(record: dict[str, Any]) -> str:
     else:
         idle = now - (record.get("detached_at") or now)
         use = f"no kernel attached for {_ago(idle)} (ends itself at {_ago(record.get('idle_limit') or 0)})"
-    return f"{record.get('devices')}, pid {record.get('pid')}, up {_ago(now - record.get('started', now))}, {use}"
+    going = kept.read_run(record["name"]) if record.get("name") else None
+    run = ""
+    if going is not None:
+        run = f", running run {going.get('id')} ({first_line(str(going.get('cell', '')))})"
+    return (f"{record.get('devices')}, pid {record.get('pid')}, up {_ago(now - record.get('started', now))}, {use}"
+            f"{run}")
 
 
 def describe_kept(name: str) -> str | None:

@@ -32,6 +32,7 @@ from xla_magic.runs import log as run_log
 from xla_magic.runs import routing
 
 POLL = 0.05  # how often a waiter looks for the end, or for a rank's question
+DETACH_WAIT = 10.0  # for a kept pool's run to let go of its log as its session closes
 
 
 class Workers:
@@ -83,7 +84,8 @@ class BackgroundRun:
     """A cell running in the background: ``done()``, ``wait()``, ``results``, ``error``, ``stop()``, ``show()``."""
 
     def __init__(self, runs: Runs, run_id: int, cell: str, pool: Any, size: int, work: Callable[[Any], Any],
-                 parent: dict[str, Any] | None, shell: Any) -> None:
+                 parent: dict[str, Any] | None, shell: Any, resumed: str | None = None,
+                 started: float | None = None) -> None:
         self.runs = runs
         self.id = run_id
         self.cell = cell
@@ -91,7 +93,7 @@ class BackgroundRun:
         plural = "s" if size != 1 else ""
         self.pool_text = f"pool of {size} rank{plural}" if pool is not None else f"{size} new rank{plural}"
         self.size = size
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         self.duration: float | None = None
         self.state = "running"
         self._value: Any = None
@@ -100,8 +102,13 @@ class BackgroundRun:
         self.stop_requested = False
         self.last_line = ""
         self._closing = False
-        self.path = os.path.join(runs.directory(), f"run-{run_id}.jsonl")
-        self.log = run_log.LogWriter(self.path, run_id, cell, self.pool_text, self.started)
+        # A kept pool's run outlives this kernel: its log goes on in a log another kernel began (``resumed``)
+        self.detached = False
+        if resumed is not None:
+            self.path, self.log = resumed, run_log.LogWriter.resume(resumed)
+        else:
+            self.path = runs.log_path(pool, run_id)
+            self.log = run_log.LogWriter(self.path, run_id, cell, self.pool_text, self.started)
         # a rank's question waits here until someone waits on the run (rank_input.Ask)
         self._question: dict[str, Any] | None = None
         self._reply: dict[str, Any] | None = None
@@ -135,6 +142,9 @@ class BackgroundRun:
                     state = "done"
                 except BaseException as exc:  # whatever it was, it is the run's, shown under its cell
                     self._error = exc
+                    if self.detached:  # its kernel goes and leaves the run to the kept pool: no end in its log
+                        self.log.detach()
+                        raise
                     state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
                     if isinstance(exc, RankError):  # the last error shown, as a failed cell's: %debug opens it
                         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
@@ -146,7 +156,13 @@ class BackgroundRun:
                 print(f"run {self.id} {_ended_words(state)} after {self.duration:.1f} s; every line it showed is "
                       f"kept in {self.path} (%xla_run show {self.id} shows it again)", flush=True)
         finally:  # whatever became of its output (a kernel closing its streams), the run is over for its waiters
-            self.log.end(state, self.seconds)
+            if self.detached and self._error is not None:  # (a run that did end, ends in its log too)
+                self.log.detach()
+            else:
+                self.log.end(state, self.seconds)
+                ended = getattr(self.pool, "run_ended", None)
+                if ended is not None:
+                    ended(self.id)
             self.state = state
             self._done.set()
             routing.unroute_streams()
@@ -335,6 +351,49 @@ class Runs:
         self._directory = path
         return path
 
+    def log_path(self, pool: Any, run_id: int) -> str:
+        """A run's log: in a kept pool's own directory (it outlives this kernel), else in the session's."""
+        kept_logs = getattr(pool, "runs_directory", None)
+        if kept_logs is not None:
+            return os.path.join(kept_logs(), f"run-{run_id}-kernel-{os.getpid()}.jsonl")
+        return os.path.join(self.directory(), f"run-{run_id}.jsonl")
+
+    def adopt(self, pool: Any) -> BackgroundRun | None:
+        """``%xla_pool attach``: the run a kernel that went left going in kept ``pool``, if any, as a run of this
+        session. What its log holds is shown now, under the attaching cell; the rest follows live, under it too."""
+        going = pool.run_going()
+        if going is None:
+            return None
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        run_id = int(going["id"])
+        counter = self.session.runs  # this session's ids go on after the adopted one's
+        counter.run_count = max(counter.run_count, run_id)
+        self.shell = shell
+        path = going.get("log")
+        try:
+            entries = run_log.read(path) if path else None
+        except (OSError, ValueError):  # gone, or its kernel died before its first line was whole
+            entries = None
+        if entries:
+            print(f"run {run_id} ({first_line(going['cell'])}) went on in kept pool {pool.name} after its kernel went; "
+                  f"its output so far, from its log, then the rest live (%xla_run show {run_id}, %xla_run wait "
+                  f"{run_id}):", flush=True)
+            replay(entries, in_notebook(shell))
+        else:  # a cell that ran in the foreground has no log: what it printed was shown under its own cell
+            path = self.log_path(pool, run_id)
+            run_log.LogWriter(path, run_id, going["cell"], "", going.get("started")).detach()
+            print(f"run {run_id} ({first_line(going['cell'])}) went on in kept pool {pool.name} after its kernel went; "
+                  f"the rest of its output follows live, and it is a run of this kernel's now (%xla_run show "
+                  f"{run_id}, %xla_run wait {run_id})", flush=True)
+        pool.run_adopted(going, path)
+        run = BackgroundRun(self, run_id, going["cell"], pool, pool.world_size, pool.follow_run(going),
+                            _parent_header(shell), shell, resumed=path, started=going.get("started"))
+        self.runs[run_id] = run
+        run.start()
+        return run
+
     def start(self, cell: str, pool: Any, size: int, work: Callable[[Any], Any], shell: Any,
               run_id: int) -> BackgroundRun:
         """A run of ``cell`` in ``pool`` (None: in new ranks) on ``size`` ranks, by ``work(ask)`` in a thread."""
@@ -413,8 +472,14 @@ class Runs:
             _remove(self.runs.pop(ended.pop(0)).path)
 
     def close(self) -> None:
-        """The session ends: every live run is stopped (its ranks' cells interrupted) and waited for."""
+        """The session ends: every live run is stopped (its ranks' cells interrupted) and waited for; a run in a
+        kept pool goes on there without this kernel (its log stops here, without an end, for the next one)."""
         for run in self.living():
+            if getattr(run.pool, "runs_directory", None) is not None:
+                run.detached = True
+                run.pool.leave()  # its thread reads no more, writes down what it read, and lets go of the log
+                run._done.wait(DETACH_WAIT)
+                continue
             run.stop_requested = True
             run.begin()  # (a run never begun ends at once, stopped)
             deadline = time.monotonic() + 30

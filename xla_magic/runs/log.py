@@ -20,6 +20,11 @@ written (a reader that meets a line without its newline waits for the rest).
   ``done``, ``failed`` or ``interrupted``.
 
 A log is bounded (:data:`LIMIT` bytes); a session keeps the last :data:`KEPT` runs' logs.
+
+A run in a kept pool may outlive the kernel that wrote its log: that kernel
+stops writing without an end (:meth:`LogWriter.detach`), and the kernel that
+attaches next goes on appending to the same log (:meth:`LogWriter.resume`),
+after cutting a line the first one may have left half written.
 """
 
 from __future__ import annotations
@@ -49,6 +54,27 @@ class LogWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self._file: IO[str] = os.fdopen(fd, "w", encoding="utf-8")
         self._append({"log": FORMAT, "run": run_id, "cell": cell, "pool": pool, "started": self.started})
+
+    @classmethod
+    def resume(cls, path: str) -> LogWriter:
+        """The writer of a log another process began (a kept pool's run, its kernel gone): appends after its
+        last whole line."""
+        writer = cls.__new__(cls)
+        with open(path, "rb+") as raw:
+            data = raw.read()
+            whole = data.rfind(b"\n") + 1
+            raw.truncate(whole)
+        head = json.loads(data[: data.find(b"\n")].decode("utf-8"))
+        writer.path, writer.started, writer.limit = path, float(head["started"]), LIMIT
+        writer.size, writer.cut, writer.ended = whole, b'"cut":' in data[:whole], False
+        writer._file = open(path, "a", encoding="utf-8")
+        return writer
+
+    def detach(self) -> None:
+        """Stop writing, without an end: the run goes on without this process (a kept pool's)."""
+        if not self.ended:
+            self.ended = True
+            self._file.close()
 
     def stream(self, name: str, text: str) -> None:
         self._entry({"stream": name, "text": text})

@@ -12,6 +12,12 @@ at logout), else under ``~/.cache/xla_magic/pools``:
   (devices, pid, when started, since when no kernel is attached, the
   attached kernel's pid); written by the launcher alone, atomically.
 - ``NAME/store``: the collectives' store of its ranks (the simulation's gloo).
+- ``NAME/run.json``: the run going on in it, written by the kernel that sent it
+  (its id, its request's seq, its cell, its log), removed by the kernel that
+  saw it end: a kernel that went meanwhile leaves it for the next to attach.
+- ``NAME/runs/``: the logs of the background runs in it (runs/log.py), kept
+  with the pool rather than with a kernel's session, so that a kernel
+  attached later replays them.
 - ``NAME.log`` beside the directory: the launcher's own output, kept after the
   pool ends, so that a pool that ended itself (idle) says so there.
 """
@@ -31,6 +37,8 @@ DEFAULT_NAME = "pool"
 DEFAULT_IDLE = 2 * 3600.0  # --keep-idle's default: a forgotten pool frees the TPU after two hours
 SOCKET = "socket"
 RECORD = "record.json"
+RUN = "run.json"
+RUNS = "runs"
 
 # kernel -> kept launcher, after its JOB and STARTED: the kernel's ends of the ranks' sockets (``fds``) and what a
 # later kernel needs to drive them (``fields``), to hand on at each attach
@@ -102,12 +110,22 @@ def read_record(name: str) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def write_record(path: str, record: dict[str, Any]) -> None:
+def write_record(path: str, record: dict[str, Any], file_name: str = RECORD) -> None:
     """Write ``record`` into the pool directory ``path`` at once (a reader never sees half of it)."""
-    partial = os.path.join(path, RECORD + ".new")
+    partial = os.path.join(path, f"{file_name}.{os.getpid()}.new")
     with open(partial, "w", encoding="utf-8") as file:
         json.dump(record, file)
-    os.replace(partial, os.path.join(path, RECORD))
+    os.replace(partial, os.path.join(path, file_name))
+
+
+def read_run(name: str) -> dict[str, Any] | None:
+    """The run going on in kept pool ``name`` as the kernel that sent it wrote it (``run.json``), or None."""
+    try:
+        with open(os.path.join(directory(name), RUN), encoding="utf-8") as file:
+            found = json.load(file)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def process_alive(pid: int | None) -> bool:
