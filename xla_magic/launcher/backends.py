@@ -107,11 +107,17 @@ def _launcher_gone(signum: int, frame: Any) -> None:
 def _apply_environment(changes: dict[str, Any]) -> None:
     """Bring the kernel's later changes to its environment (XLA_FLAGS, PJRT_DEVICE,
     tokens) into this run. Only the changes: torch_xla's import set variables
-    of its own in the launcher, and they stay."""
+    of its own in the launcher, and they stay (its flags too, merged with the
+    kernel's: launcher/place.py)."""
     for name in changes["unset"]:
-        os.environ.pop(name, None)
+        if name in place.FLAG_VARIABLES:  # the kernel's part goes; torch_xla's import-time flags stay
+            place.put_flags_left(name, os.environ.get(name, ""))
+        else:
+            os.environ.pop(name, None)
     for name, value in changes["set"].items():
-        os.environ[name] = place.merge_flags(value, os.environ.get(name, "")) if name in place.FLAG_VARIABLES else value
+        if name in place.FLAG_VARIABLES:
+            value = place.merge_flags(value, place.torch_xlas_flags(name, os.environ.get(name, "")))
+        os.environ[name] = value
 
 
 
