@@ -399,10 +399,9 @@ def _tpu_rank(
         supervisor.close()  # the supervisor's alone; a cell's children must not hold it
 
     # Its socket: its place on this host (torch_xla's local ordinal; the runtime is up, xmp.spawn's
-    # initialize_multiprocess made the device). The kernel names socket i of host h rank_offset + i, which
-    # is the ordinal where the slice numbers each host's ranks contiguously in the hosts' order, as libtpu
-    # does on the slices it knows. torch_xla does not promise that (runtime.global_ordinal); where it is
-    # not so, tags and the order of results follow the hosts' order, and ``rank`` stays the ordinal.
+    # initialize_multiprocess made the device). Its global rank is the ordinal, which torch_xla does not
+    # promise to be contiguous on a host (runtime.global_ordinal): the rank says it when ready (serve.py),
+    # and the kernel names the socket by it.
     local = index = xr.local_ordinal()
 
     def setup() -> dict[str, Any]:
