@@ -79,16 +79,21 @@ def test_ranks_are_counted_as_torch_xla_starts_them_and_an_impossible_count_is_r
         assert value[:4] == (0, 0, 1, "3")  # torch_xla's one-chip layout keeps the user's chip
 
 
-def test_libtpu_init_args_set_in_the_kernel_later_merge_with_torch_xlas_own_flags(ip, spawn):
-    read = 'import os\nos.environ["LIBTPU_INIT_ARGS"].split()'
-    with fake_tpu_host(ip, "v5litepod-1"):
+def test_libtpu_init_args_set_or_unset_in_the_kernel_later_keep_torch_xlas_own_flags(ip, spawn):
+    read = 'import os\nos.environ.get("LIBTPU_INIT_ARGS", "").split()'
+    with fake_tpu_host(ip, "v5litepod-1", LIBTPU_INIT_ARGS="--xla_given=1"):  # the kernel's as the launcher starts
         (first,) = spawn("", read).value  # the launcher's torch_xla merged its flags in at import
+        assert "--xla_given=1" in first
         assert "--xla_tpu_use_enhanced_launch_barrier=false" in first
         assert "--xla_tpu_enable_flash_attention=false" in first
+        torch_xlas = [flag for flag in first if flag != "--xla_given=1"]
         os.environ["LIBTPU_INIT_ARGS"] = "--xla_tpu_enable_flash_attention=true --xla_mine=1"
         (flags,) = spawn("", read).value
+        del os.environ["LIBTPU_INIT_ARGS"]
+        (left,) = spawn("", read).value
     assert flags[:2] == ["--xla_tpu_enable_flash_attention=true", "--xla_mine=1"]  # the user's, and they win
-    assert sorted(flags[2:]) == sorted(f for f in first if not f.startswith("--xla_tpu_enable_flash_attention"))
+    assert sorted(flags[2:]) == sorted(f for f in torch_xlas if not f.startswith("--xla_tpu_enable_flash_attention"))
+    assert sorted(left) == sorted(torch_xlas)  # unset: the kernel's part goes, torch_xla's stays
 
 
 def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_rank_starts(ip, spawn):

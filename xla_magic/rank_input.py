@@ -49,7 +49,7 @@ def answer(ranks: Any, record: Any, output: Any, rank: int, fields: dict[str, An
         state.where = where_at(why, line)
         on_update(record)
     before = output.take_partial(rank, "stdout")  # print('name:', end=''); input()
-    question = {"rank": rank + (ranks.world or {}).get("rank_offset", 0), "why": why, "line": line,
+    question = {"rank": ranks.global_rank(rank), "why": why, "line": line,
                 "prompt": f"[{ranks.label(rank)}] {before}{fields.get('prompt', '')}",
                 "password": bool(fields.get("password")), "what": what, "who": who}
     reply = (ask or ask_here)(question)

@@ -109,6 +109,7 @@ class Ranks:
                  world: dict[str, Any] | None = None, cache: compile_cache.CacheSetting | None = None) -> None:
         self.placement = placement
         self.world = world  # one host's ranks of several (see xla_magic.hosts): host, rank_offset, world_size...
+        self.ordinals: dict[int, int] = {}  # there: rank -> its global rank, as it said when ready (torch_xla's)
         self.backend = placement.backend
         self.devices = placement.devices
         self.size = placement.ranks  # how many ranks answer each request
@@ -213,8 +214,12 @@ class Ranks:
     def label(self, rank: int) -> str:
         """The tag of a rank's output and errors: ``rank N``, ``spmd``, or on several hosts ``hH rN`` (N global)."""
         if self.world:
-            return naming.tag(self.world['host'], self.world['rank_offset'] + rank)
+            return naming.tag(self.world['host'], self.global_rank(rank))
         return "spmd" if self.one_value else f"rank {rank}"
+
+    def global_rank(self, rank: int) -> int:
+        """On one host of several: its global rank as it said (torch_xla's ordinal), until then the hosts' order."""
+        return self.ordinals.get(rank, rank + (self.world or {}).get("rank_offset", 0))
 
     def name(self, rank: int) -> str:
         """A rank in a sentence: ``rank N``, or ``the SPMD process``."""

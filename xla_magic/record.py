@@ -21,6 +21,7 @@ class RankState:
     pid: int | None = None
     memory: dict[str, Any] | None = None
     processes: list[int] = field(default_factory=list)  # live processes below the rank, as of its last DONE
+    ordinal: int | None = None  # one host's rank of several: its global rank (torch_xla's ordinal), once it said
     # What XLA did in the rank during the cell (launcher/xla_account.py), once it ended;
     # rank threads of one process share one account, which names them all.
     xla: dict[str, Any] | None = None

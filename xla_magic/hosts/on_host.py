@@ -66,6 +66,7 @@ class HostOutcome(TypedDict, total=False):
     stacks_when: str  # failed, interrupted: when that was (the watch's words: "at the interrupt", ...)
     profile: list[profiles.SentTrace]  # a --profile cell: this host's trace files (hosts/profiles.py)
     accounts: list[dict[str, Any]]  # a cell: what XLA did in each rank process (its ranks local), however it ended
+    ordinals: dict[int, int]  # a cell in fresh ranks: each one's global rank (torch_xla's ordinal), by local rank
 
 
 class Here:
@@ -93,7 +94,7 @@ class Here:
                 return  # its end comes as the call's answer; a cell this short has no news for the panel yet
             news = {"run": record.run_id, "ranks": {rank: (state.state, state.where)
                                                     for rank, state in record.ranks.items()},
-                    "stacks": dict(record.stacks), "since": dict(record.arrived)}
+                    "stacks": dict(record.stacks), "since": dict(record.arrived), "ordinals": _ordinals(record)}
             if news == self._told:
                 return
             self._told = news
@@ -224,7 +225,8 @@ def start(world: protocol.World, devices: int, backend: str,
     def start_pool() -> dict[str, Any]:
         here.pool = LocalPool.start(here.runner, PoolOptions(devices=devices, backend=backend, compile_cache=cache),
                                     world)
-        return {"pids": dict(here.pool.pids), "cache": dict(here.pool.ranks.cache_facts)}
+        return {"pids": dict(here.pool.pids), "cache": dict(here.pool.ranks.cache_facts),
+                "ordinals": dict(here.pool.ranks.ordinals)}  # each one's global rank: the kernel names them so
 
     return _outcome(start_pool)
 
@@ -275,10 +277,16 @@ def _told(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
     if record is not None and record is not began:
         shared = {id(state.xla): state.xla for state in record.ranks.values() if state.xla is not None}
         outcome["accounts"] = list(shared.values())  # rank threads of one process share one
+        outcome["ordinals"] = _ordinals(record)
     if cell.profile:
         record = here.runs.last_profiled
         outcome["profile"] = profiles.collect(record if record is not before else None)
     return outcome
+
+
+def _ordinals(record: RunRecord) -> dict[int, int]:
+    """The global rank each rank of ``record`` said it is when it started (fresh ranks; a pool's said at its start)."""
+    return {rank: state.ordinal for rank, state in record.ranks.items() if state.ordinal is not None}
 
 
 def _take(here: Here, sent: dict[str, bytes], names: tuple[str, ...]) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, TypedDict
+from typing import Any, Callable, TypedDict
 
+from xla_magic.hosts.naming import Numbering
 from xla_magic.record import RankState, RunRecord
 from xla_magic.wire import trace
 
@@ -70,22 +71,23 @@ def collect(record: RunRecord | None) -> list[SentTrace]:
     return sent
 
 
-def store(record: RunRecord, outcomes: dict[int, Any], hosts: list[str], devices: int, folder: str) -> None:
+def store(record: RunRecord, outcomes: dict[int, Any], hosts: list[str], numbering: Numbering, folder: str) -> None:
     """Every host's sent traces into ``folder`` (kernel side), as each global rank's profile in ``record``.
 
-    ``outcomes``: each host's reply by host index (``HostOutcome``, with its ``profile``: the SentTrace list)."""
+    ``outcomes``: each host's reply by host index (``HostOutcome``, with its ``profile``: the SentTrace list);
+    ``numbering``: which global rank each host's local rank is (hosts/naming.py)."""
     record.profile = folder
     for index, host in enumerate(hosts):
         outcome = outcomes.get(index) or {"outcome": "lost", "message": "did not answer"}
         given: set[int] = set()
         for item in outcome.get("profile") or ():
-            where = _place(item, index, devices, folder)
-            for rank in where["ranks"]:
+            where = _place(item, index, numbering, folder)
+            for local, rank in zip(item["where"].get("ranks", ()), where["ranks"]):
                 given.add(rank)
                 state = record.ranks.setdefault(rank, RankState(state="done"))
                 state.profile = where
-                state.xla = state.xla or (item.get("accounts") or {}).get(rank - index * devices)
-        missing = [index * devices + local for local in range(devices) if index * devices + local not in given]
+                state.xla = state.xla or (item.get("accounts") or {}).get(local)
+        missing = [rank for rank in numbering.ranks_of(index) if rank not in given]
         if missing:  # the host sent nothing for them: its engine lost, or its cell stopped before they ended
             why = (f"host h{index} sent no trace: {outcome.get('message') or outcome['outcome']}"
                    if outcome["outcome"] == "lost" else f"host h{index} sent no trace for them (stopped before "
@@ -95,16 +97,16 @@ def store(record: RunRecord, outcomes: dict[int, Any], hosts: list[str], devices
                 record.ranks.setdefault(rank, RankState(state="failed")).profile = where
 
 
-def _place(item: SentTrace, index: int, devices: int, folder: str) -> dict[str, Any]:
+def _place(item: SentTrace, index: int, numbering: Numbering, folder: str) -> dict[str, Any]:
     """One sent trace, written under ``folder/h<H>r<R>/``; its profile with the kernel's paths and the host's."""
     where = dict(item["where"])
-    ranks = [index * devices + local for local in where.get("ranks", ())]
+    ranks = [numbering.rank(index, local) for local in where.get("ranks", ())]
     host_folder = where.get("folder") or ""
     where.update(ranks=ranks, host_index=index, on_host=f"{where.get('host', '?')}:{host_folder}",
                  unsent=item["unsent"])
     here = os.path.join(folder, f"h{index}r{ranks[0] if ranks else 'x'}")
     if isinstance(where.get("digest"), dict):  # the rank's own reading of its trace: its rows are by local rank too
-        where["digest"] = dict(where["digest"], lines={int(rank) + index * devices: spans for rank, spans
+        where["digest"] = dict(where["digest"], lines={numbering.rank(index, int(rank)): spans for rank, spans
                                                        in where["digest"].get("lines", {}).items()})
     for key in FILES:
         path, data = where.get(key) or "", item["files"].get(key)
@@ -112,7 +114,7 @@ def _place(item: SentTrace, index: int, devices: int, folder: str) -> dict[str, 
         if data is None or not path:
             continue
         if key == "lines":  # its rows are by local rank: the kernel's copy numbers them as the world does
-            data = _global_lines(data, index * devices)
+            data = _global_lines(data, lambda local: numbering.rank(index, local))
         relative = os.path.relpath(path, host_folder) if host_folder else os.path.basename(path)
         target = os.path.join(here, relative if not relative.startswith("..") else os.path.basename(path))
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -123,10 +125,10 @@ def _place(item: SentTrace, index: int, devices: int, folder: str) -> dict[str, 
     return where
 
 
-def _global_lines(data: bytes, offset: int) -> bytes:
+def _global_lines(data: bytes, number: Callable[[int], int]) -> bytes:
     try:
         sampled = json.loads(data)
-        sampled["ranks"] = {str(int(rank) + offset): spans for rank, spans in sampled["ranks"].items()}
+        sampled["ranks"] = {str(number(int(rank))): spans for rank, spans in sampled["ranks"].items()}
         return json.dumps(sampled).encode()
     except (ValueError, KeyError, TypeError):
         return data

@@ -23,7 +23,7 @@ import time
 import traceback
 
 from xla_magic.wire import protocol
-from xla_magic.launcher import lifetime
+from xla_magic.launcher import lifetime, place
 
 MAX_FDS = 253  # SCM_RIGHTS limit on Linux
 
@@ -42,6 +42,7 @@ WARM_POOL = "TORCH_WARM_POOL"
 
 def import_runtime() -> dict[str, str]:
     """Import what every rank needs, without touching any device or starting helpers."""
+    place.note_given_flags()  # what torch_xla's import adds to them is told apart from the kernel's
     set_here = WARM_POOL not in os.environ  # a user's own setting wins
     if set_here:
         os.environ[WARM_POOL] = "0"

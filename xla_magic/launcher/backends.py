@@ -107,11 +107,17 @@ def _launcher_gone(signum: int, frame: Any) -> None:
 def _apply_environment(changes: dict[str, Any]) -> None:
     """Bring the kernel's later changes to its environment (XLA_FLAGS, PJRT_DEVICE,
     tokens) into this run. Only the changes: torch_xla's import set variables
-    of its own in the launcher, and they stay."""
+    of its own in the launcher, and they stay (its flags too, merged with the
+    kernel's: launcher/place.py)."""
     for name in changes["unset"]:
-        os.environ.pop(name, None)
+        if name in place.FLAG_VARIABLES:  # the kernel's part goes; torch_xla's import-time flags stay
+            place.put_flags_left(name, os.environ.get(name, ""))
+        else:
+            os.environ.pop(name, None)
     for name, value in changes["set"].items():
-        os.environ[name] = place.merge_flags(value, os.environ.get(name, "")) if name in place.FLAG_VARIABLES else value
+        if name in place.FLAG_VARIABLES:
+            value = place.merge_flags(value, place.torch_xlas_flags(name, os.environ.get(name, "")))
+        os.environ[name] = value
 
 
 
@@ -393,10 +399,9 @@ def _tpu_rank(
         supervisor.close()  # the supervisor's alone; a cell's children must not hold it
 
     # Its socket: its place on this host (torch_xla's local ordinal; the runtime is up, xmp.spawn's
-    # initialize_multiprocess made the device). The kernel names socket i of host h rank_offset + i, which
-    # is the ordinal where the slice numbers each host's ranks contiguously in the hosts' order, as libtpu
-    # does on the slices it knows. torch_xla does not promise that (runtime.global_ordinal); where it is
-    # not so, tags and the order of results follow the hosts' order, and ``rank`` stays the ordinal.
+    # initialize_multiprocess made the device). Its global rank is the ordinal, which torch_xla does not
+    # promise to be contiguous on a host (runtime.global_ordinal): the rank says it when ready (serve.py),
+    # and the kernel names the socket by it.
     local = index = xr.local_ordinal()
 
     def setup() -> dict[str, Any]:

@@ -64,29 +64,58 @@ def _set_environment(changes: dict[str, Any]) -> None:
 
 
 def _put(name: str, value: str | None) -> None:
-    if value is None:
+    if value is None and name in FLAG_VARIABLES:
+        put_flags_left(name, _env_before.get(name) or "")
+    elif value is None:
         os.environ.pop(name, None)
     elif name in FLAG_VARIABLES:
-        os.environ[name] = merge_flags(value, _env_before.get(name) or "")
+        os.environ[name] = merge_flags(value, torch_xlas_flags(name, _env_before.get(name) or ""))
     else:
         os.environ[name] = value
 
 
 # Flags torch_xla's import merges its own into (LIBTPU_INIT_ARGS only where it found chips): a
-# later value from the kernel is merged the same way, its own flags first and winning.
+# later value from the kernel is merged the same way, its own flags first and winning, in place of
+# the kernel's value as the launcher got it; unset in the kernel, torch_xla's flags stay.
 FLAG_VARIABLES = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
+
+
+_given: dict[str, str] = {}  # each one's value as the kernel gave it to the launcher, before torch_xla's import
+
+
+def _flag_name(flag: str) -> str:
+    return flag.split("=", 1)[0].lstrip("-")
 
 
 def merge_flags(given: str, here: str) -> str:
     """``given``'s flags, then each of ``here``'s whose name ``given`` does not set (torch_xla's
     ``_set_missing_flags``, with the launcher's value as the defaults)."""
-    def name(flag: str) -> str:
-        return flag.split("=", 1)[0].lstrip("-")
-
     flags = given.split()
-    named = {name(flag) for flag in flags}
-    flags += [flag for flag in here.split() if name(flag) not in named]
+    named = {_flag_name(flag) for flag in flags}
+    flags += [flag for flag in here.split() if _flag_name(flag) not in named]
     return " ".join(flags)
+
+
+def note_given_flags() -> None:
+    """In the launcher, before it imports torch_xla: the kernel's own flags, which a later unset in the kernel
+    takes away (torch_xla's import adds its defaults to them, and those stay)."""
+    _given.update((name, os.environ.get(name, "")) for name in FLAG_VARIABLES)
+
+
+def torch_xlas_flags(name: str, here: str) -> str:
+    """``here`` without the kernel's own flags as the launcher got them: torch_xla's import-time ones (a flag of
+    the kernel's that replaced one of torch_xla's leaves neither)."""
+    theirs = {_flag_name(flag) for flag in _given.get(name, "").split()}
+    return " ".join(flag for flag in here.split() if _flag_name(flag) not in theirs)
+
+
+def put_flags_left(name: str, here: str) -> None:
+    """The kernel unset ``name``: its part of ``here`` goes, torch_xla's stays."""
+    left = torch_xlas_flags(name, here)
+    if left:
+        os.environ[name] = left
+    else:
+        os.environ.pop(name, None)
 
 
 def _set_path(kernel: list[str]) -> None:

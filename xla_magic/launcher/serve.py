@@ -554,6 +554,7 @@ def serve(
                 channel.send(protocol.DONE, seq=waiting_seq, seconds=time.monotonic() - started)
                 return False
             channel.send(protocol.STATUS, state="ready", pid=os.getpid(), thread=thread,
+                         ordinal=rank_names.get("rank"),  # the global rank (torch_xla's ordinal on a TPU)
                          memory=rank_module.device_memory(server.device) if server.reports_memory else None,
                          compile_cache=compile_cache.reported())
             if request is not None:

@@ -4,7 +4,9 @@
 on this machine's address toward the hosts, with ipyparallel's key), one
 engine per host through the launch template, and in each engine that
 host's own launcher and pool ranks (``hosts.on_host``), as one world:
-global ranks are numbered host by host. Cells then go to every host at once
+a global rank is torch_xla's global ordinal, as each host's ranks say when
+they start (host by host in the simulation; a TPU slice need not number a
+host's ranks contiguously), and everything the kernel shows uses it. Cells then go to every host at once
 and are followed by :class:`~xla_magic.run.across_hosts.HostsRequest`.
 """
 
@@ -27,7 +29,7 @@ from xla_magic.hosts import discovery, link, on_host, profiles
 from xla_magic.hosts.debugging import HostsPostMortem
 from xla_magic.post_mortem import NOT_KEPT_FRESH_HOSTS
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
-from xla_magic.hosts.naming import RESTART, label
+from xla_magic.hosts.naming import RESTART, Numbering
 from xla_magic.run.across_hosts import HostsRequest
 from xla_magic.hosts.shipping import HostShipping
 from xla_magic.pools.interface import Cell, PoolOptions, check_names, check_rank
@@ -69,6 +71,7 @@ class HostsPool:
         self.engines: list[int] = []  # ipyparallel engine id, by host index
         self.engine_pids: list[int] = []
         self.pids: dict[int, int] = {}  # global rank -> its process, as the hosts last said
+        self.numbering = Numbering(self.devices)  # each host's local ranks' global ranks, as they said at start
         self._rows: list[dict[str, Any]] = []  # each host's status, as its engine last said it
         self.shipping = HostShipping(len(hosts))  # what each host's engine holds of the kernel's values
         self.address = ""
@@ -277,9 +280,12 @@ class HostsPool:
                  for engine, world in zip(self.engines, self._worlds())]
         request = HostsRequest(self, calls, timeout=START_TIMEOUT, echo=False)
         started = request.wait()
+        self.numbering = Numbering(self.devices)
+        for index, host in enumerate(started):
+            self.numbering.learn(index, host.get("ordinals"))
         self._take_pids([host["pids"] for host in started])
         # How every host's ranks' compile cache went, said once for the world (the hosts' own words are not shown).
-        self.cache_facts = {index * self.devices + rank: fact for index, host in enumerate(started)
+        self.cache_facts = {self.numbering.rank(index, rank): fact for index, host in enumerate(started)
                             for rank, fact in host["cache"].items()}
         line = compile_cache.problem_line(self.cache_facts, self.runner.cache_told)
         if line:
@@ -295,7 +301,7 @@ class HostsPool:
         ]
 
     def _take_pids(self, by_host: list[dict[int, int]]) -> None:
-        self.pids = {index * self.devices + rank: pid for index, pids in enumerate(by_host)
+        self.pids = {self.numbering.rank(index, rank): pid for index, pids in enumerate(by_host)
                      for rank, pid in (pids or {}).items()}
 
     def leave(self) -> None:
@@ -328,7 +334,7 @@ class HostsPool:
     # -- requests ---------------------------------------------------------------
 
     def label(self, rank: int) -> str:
-        return label(self.devices)(rank)
+        return self.numbering.label(rank)
 
     def where_now(self, everything: bool = False, with_locals: bool = False) -> dict[int, dict[str, Any]]:
         """Where every host's ranks are now, by global rank (``%xla_stacks`` between cells: every engine is free)."""
@@ -341,7 +347,7 @@ class HostsPool:
                 answers = {local: {"unanswered": f"host h{index} did not answer ({type(exc).__name__})"}
                            for local in range(self.devices)}
             for local, answer in answers.items():
-                found[index * self.devices + local] = answer
+                found[self.numbering.rank(index, local)] = answer
         return found
 
     def check_usable(self) -> None:
@@ -388,7 +394,8 @@ class HostsPool:
         record.xla_report = report
         self.runner.history.cell_began(record)  # %xla_report shows what XLA did on every host
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
-                               notebook=cell.live_lines or self.live_lines)
+                               notebook=cell.live_lines or self.live_lines,
+                               numbering=None if cell.fresh else self.numbering)
         try:
             values_by_host = self._follow(request)
         except RankError as error:
@@ -405,21 +412,22 @@ class HostsPool:
                 self._show_profile(record, request, devices)
         if not cell.fresh:
             self.cells += 1
-        return [value for host_values in values_by_host for value in (host_values or [None] * devices)]
+        return request.by_rank(values_by_host)
 
     def _show_profile(self, record: RunRecord, request: HostsRequest, devices: int) -> None:
-        profiles.store(record, request.outcomes, self.hosts, devices, self.workdir.new(f"profile-{record.run_id}-"))
+        profiles.store(record, request.outcomes, self.hosts, request.numbering,
+                       self.workdir.new(f"profile-{record.run_id}-"))
         self.runner.history.cell_began(record, profiled=True)  # %xla_profile shows it again
         profile_view.after_cell(record)
 
     def debug(self, rank: int, run_id: int) -> None:
         """pdb in global ``rank``'s kept frames, on its host (hosts/debugging.py), until the debugger is left."""
         self.check_usable()
-        host, local = divmod(rank, self.devices)
+        host, local = self.numbering.place(rank)
         calls = [self.client[engine].apply_async(on_host.debug, local if index == host else None)
                  for index, engine in enumerate(self.engines)]
         self._follow(HostsRequest(self, calls, record=self._record(f"%debug (rank {self.label(rank)} of cell {run_id})",
-                                                                    self.devices)))
+                                                                    self.devices), numbering=self.numbering))
 
     def push(self, names: list[str], user_ns: Mapping[str, Any]) -> None:
         self.check_usable()
@@ -427,15 +435,17 @@ class HostsPool:
         check_names(names, user_ns)
         blob = payload.pickle_namespace({name: user_ns[name] for name in names})  # once, for every host
         calls = self._call_hosts(on_host.push, [(blob,)] * len(self.hosts))
-        self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool push {' '.join(names)}", self.devices)))
+        self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool push {' '.join(names)}", self.devices),
+                                  numbering=self.numbering))
 
     def pull(self, name: str, rank: int | None) -> Any:
         self.check_usable()
         self.runner.release_post_mortem("%xla_pool pull reached its ranks since")
         check_rank(rank, self.world_size, "the pool across hosts")
         calls = self._call_hosts(on_host.pull, [(name,)] * len(self.hosts))
-        values = self._follow(HostsRequest(self, calls, record=self._record(f"%xla_pool pull {name}", self.devices)))
-        every = [value for host_values in values for value in host_values]
+        request = HostsRequest(self, calls, record=self._record(f"%xla_pool pull {name}", self.devices),
+                               numbering=self.numbering)
+        every = request.by_rank(self._follow(request))
         return every if rank is None else every[rank]
 
     def _call_hosts(self, function: Callable[..., Any], args_by_host: list[tuple[Any, ...]]) -> list[Any]:
@@ -513,7 +523,7 @@ class HostsPool:
 
     def _row(self, index: int, error: str | None = None) -> dict[str, Any]:
         row: dict[str, Any] = {"host": self.hosts[index], "index": index, "engine": self.engines[index],
-                               "ranks": f"r{index * self.devices}-r{(index + 1) * self.devices - 1}"}
+                               "ranks": _listed(self.numbering.ranks_of(index))}
         if error is not None:
             row["error"] = error
         return row
@@ -534,6 +544,16 @@ class HostsPool:
             lines.append((name, f"{row['hostname']}: engine {row['engine']} pid {row['pid']} ({xla}); launcher pid "
                                 f"{launcher.get('pid', '-')}{alive}; ranks {row['ranks']}: {pool.get('describe', 'none')}"))
         return lines
+
+
+def _listed(ranks: list[int]) -> str:
+    """``r4-r7``, or ``r1,r3,r5,r7`` where a host's ranks are not contiguous."""
+    ranks = sorted(ranks)
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"r{ranks[0]}-r{ranks[-1]}"
+    return ",".join(f"r{rank}" for rank in ranks)
 
 
 def _exited(engine: Any) -> bool:

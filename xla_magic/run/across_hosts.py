@@ -22,7 +22,7 @@ from IPython.core.error import UsageError
 from xla_magic import rank_input, stacks
 from xla_magic.display import DebuggerQuit, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.hosts import link
-from xla_magic.hosts.naming import RESTART, label
+from xla_magic.hosts.naming import RESTART, Numbering
 from xla_magic.hosts.on_host import ASKED, NEWS, QUIET_NEWS, HostOutcome
 from xla_magic.record import RunRecord
 from xla_magic.run.watch import HANG_AFTER, HangLine, confirm_after
@@ -36,6 +36,9 @@ TAGGED = re.compile(r"(?:\x1b\[31m)?\[h\d+ r(?P<rank>\d+)\](?:\x1b\[0m)? ")
 class HostsRequest:
     """``calls``: one ipyparallel AsyncResult per host, in host order, to ``pool`` (pools/across_hosts.py's HostsPool).
 
+    Every rank is named by its global rank, torch_xla's ordinal (``numbering``: the pool's, or for fresh ranks
+    what their hosts say as they start), in tags, results, stacks, the watchdog's line and the record.
+
     With a ``record`` (a run in the session's history), the request keeps its
     ranks' states and lines as the hosts' output and outcomes come in, and
     stops every host when the record asks (the status panel's Interrupt).
@@ -43,20 +46,22 @@ class HostsRequest:
 
     def __init__(self, pool: Any, calls: list[Any], timeout: float | None = None, echo: bool = True,
                  record: RunRecord | None = None, devices: int | None = None, hang_after: float | None = None,
-                 notebook: bool = False) -> None:
+                 notebook: bool = False, numbering: Numbering | None = None) -> None:
         self.pool = pool
         self.calls = calls
         self.timeout = timeout
         self.echo = echo
         self.record = record
         self.devices = devices if devices is not None else pool.devices  # ranks per host in this request
+        # Each host's ranks' global ordinals: the pool's, or (fresh ranks) as their hosts' news and replies say.
+        self.numbering = numbering if numbering is not None else Numbering(self.devices)
         self.outcomes: dict[int, HostOutcome] = {}
         self.shown: dict[tuple[int, str], int] = {}
         self.stopping: str | None = None  # why the other hosts were told to stop: failure, interrupt, timeout
         self.broken: str | None = None  # what broke the pool during the request, for the pool to take on
         self.history = pool.runner.history  # the session's: the record's listeners (the panel)
         self.stopped_at: float | None = None
-        tags = label(self.devices)
+        tags = self.numbering.label
         self.output = TaggedOutput(label=tags, log_dir=lambda: pool.workdir.new("logs-hosts-"),
                                    log_stem=lambda rank: tags(rank).replace(" ", ""), on_line=self._on_line)
         self._lines_counted = 0
@@ -126,7 +131,7 @@ class HostsRequest:
             said = self.outcomes.get(index, {"outcome": "lost"})
             failed = {f["rank"] for f in said.get("failures", ())}
             for local in range(self.devices):
-                state = record.ranks.get(index * self.devices + local)
+                state = record.ranks.get(self.numbering.rank(index, local))
                 if state is None or state.ended is not None:
                     continue
                 state.state = ("done" if said["outcome"] == "ok" else "failed" if local in failed
@@ -134,7 +139,7 @@ class HostsRequest:
                 state.ended = time.monotonic()
         for index, said in self.outcomes.items():  # what XLA did on every host, by global rank
             for account in said.get("accounts", ()):
-                record.take("xla", dict(account, ranks=[index * self.devices + rank for rank in account["ranks"]]))
+                record.take("xla", dict(account, ranks=[self.numbering.rank(index, rank) for rank in account["ranks"]]))
         record.outcome = outcome
         record.duration = time.time() - record.started
         self.history.notify(record)
@@ -150,6 +155,7 @@ class HostsRequest:
             except Exception as exc:  # the engine died or could not run the call
                 outcome = {"outcome": "lost", "message": _engine_problem(exc)}
                 self._broke(f"the engine of host h{index} ({self.pool.hosts[index]}) {outcome['message']}")
+            self.numbering.learn(index, outcome.get("ordinals"))
             self.outcomes[index] = outcome
             if outcome["outcome"] == "ok":
                 self._host_done(index)
@@ -163,8 +169,8 @@ class HostsRequest:
         record = self.record
         if record is None:
             return
-        for local in range(self.devices):
-            state = record.ranks.get(index * self.devices + local)
+        for rank in self.numbering.ranks_of(index):
+            state = record.ranks.get(rank)
             if state is not None and state.ended is None:
                 state.state, state.ended = "done", time.monotonic()
         self.history.notify(record)
@@ -227,11 +233,12 @@ class HostsRequest:
             if not news or news.get("run") is None or self._news.get(index, (None,))[0] is news:
                 continue
             self._news[index] = (news, now)
+            self.numbering.learn(index, news.get("ordinals"))
             changed = True
             for local, (state, where) in news["ranks"].items():
-                rank_state = record.ranks.get(index * self.devices + local)
+                rank_state = record.ranks.get(self.numbering.rank(index, local))
                 if rank_state is not None and rank_state.ended is None:
-                    stale = self._answered.get(index * self.devices + local) == where  # sent before the answer
+                    stale = self._answered.get(self.numbering.rank(index, local)) == where  # sent before the answer
                     rank_state.state, rank_state.where = state, rank_state.where if stale else where
                     if state in ("done", "failed", "killed"):
                         rank_state.ended = now
@@ -300,20 +307,20 @@ class HostsRequest:
         where: dict[int, dict[str, Any]] = {}
         waited: dict[int, float] = {}
         for index in range(len(self.calls)):
-            offset = index * self.devices
             said = self.outcomes.get(index)
             news, came = self._news.get(index, ({}, now))
             for local in range(self.devices):
+                rank = self.numbering.rank(index, local)
                 state = news.get("ranks", {}).get(local, ("",))[0]
                 if (said is not None and said["outcome"] == "ok") or state == "done":
-                    where[offset + local] = {"phase": "finished"}
+                    where[rank] = {"phase": "finished"}
                 elif local in news.get("stacks", {}):
-                    where[offset + local] = news["stacks"][local]
-                    waited[offset + local] = news.get("waited", {}).get(local, 0.0) + (now - came)
+                    where[rank] = news["stacks"][local]
+                    waited[rank] = news.get("waited", {}).get(local, 0.0) + (now - came)
         if len(where) < len(self.calls) * self.devices:
             return  # a rank not heard of yet: it may still move
         line = stacks.hang(where, waited, self.hang_after, confirm=confirm_after(self.hang_after),
-                           label=label(self.devices))
+                           label=self.numbering.label)
         if line is not None:
             self.record.hang = line
             self.record.stacks = dict(where)
@@ -360,20 +367,19 @@ class HostsRequest:
         raise self._error(outcomes)
 
     def _error(self, outcomes: list[dict[str, Any]]) -> RankError:
-        devices = self.devices
         failures: list[RankFailure] = []
         problems: list[str] = []
+        number = self.numbering.rank
         for index, outcome in enumerate(outcomes):
-            offset = index * devices
             if outcome["outcome"] == "failed":
-                failures += [RankFailure(offset + f["rank"], f["type"], f["message"], f["traceback"], f["exit_code"])
-                             for f in outcome["failures"]]
+                failures += [RankFailure(number(index, f["rank"]), f["type"], f["message"], f["traceback"],
+                                         f["exit_code"]) for f in outcome["failures"]]
                 if not outcome["failures"]:
                     problems.append(f"host h{index}: {outcome['summary']}")
             elif outcome["outcome"] in ("lost", "refused"):
                 problems.append(f"host h{index} ({self.pool.hosts[index]}): {outcome['message']}")
         where = sorted({f.rank for f in failures})
-        parts = [f"rank(s) {', '.join(label(devices)(rank) for rank in where)} failed"] if where else []
+        parts = [f"rank(s) {', '.join(self.numbering.label(rank) for rank in where)} failed"] if where else []
         parts += problems
         if self.stopping == "failure" and len(outcomes) > 1:
             parts.append("the other hosts' cells were stopped")
@@ -383,10 +389,10 @@ class HostsRequest:
         if not failures:  # nothing with a traceback: say it as one failure of the first host that went wrong
             failures = [RankFailure(-1, "HostFailure", summary)]
         if all(failure.type == "BdbQuit" for failure in failures):  # pdb quit (q); the host said where
-            return DebuggerQuit(failures, self._results(outcomes), summary, label=_failure_label(devices))
-        error = RankError(failures, self._results(outcomes), summary, label=_failure_label(devices),
+            return DebuggerQuit(failures, self._results(outcomes), summary, label=self._failure_label)
+        error = RankError(failures, self._results(outcomes), summary, label=self._failure_label,
                           where=self._where(outcomes))
-        error.debuggable = [index * devices + local for index, outcome in enumerate(outcomes)
+        error.debuggable = [number(index, local) for index, outcome in enumerate(outcomes)
                             for local in outcome.get("debuggable", ())]
         return error
 
@@ -395,7 +401,7 @@ class HostsRequest:
         when = ""
         for index, outcome in enumerate(outcomes):
             for rank, answer in (outcome.get("stacks") or {}).items():
-                merged[index * self.devices + rank] = answer
+                merged[self.numbering.rank(index, rank)] = answer
             when = when or outcome.get("stacks_when", "")
         return merged, when
 
@@ -404,14 +410,25 @@ class HostsRequest:
         merged, when = self._merged_stacks(outcomes)
         if not merged:
             return []
-        return [f"Where each rank was {when}:"] + stacks.render(merged, label=label(self.devices))
+        return [f"Where each rank was {when}:"] + stacks.render(merged, label=self.numbering.label)
 
     def _results(self, outcomes: list[dict[str, Any]]) -> dict[int, Any]:
         results: dict[int, Any] = {}
         for index, outcome in enumerate(outcomes):
             for rank, value in (outcome.get("results") or {}).items():
-                results[index * self.devices + rank] = value
+                results[self.numbering.rank(index, rank)] = value
         return results
+
+    def by_rank(self, values_by_host: list[Any]) -> list[Any]:
+        """Every host's values (each by local rank) as one list by global rank, however the slice numbered them."""
+        every: list[Any] = [None] * (self.devices * len(values_by_host))
+        for index, values in enumerate(values_by_host):
+            for local, value in enumerate(values or [None] * self.devices):
+                every[self.numbering.rank(index, local)] = value
+        return every
+
+    def _failure_label(self, rank: int) -> str:
+        return "hosts" if rank < 0 else self.numbering.label(rank)
 
     def _broke(self, problem: str) -> None:
         """The pool is broken: the pool itself says so once the request is over (``broken``), its one writer."""
@@ -423,11 +440,6 @@ class HostsRequest:
         if problem is not None:
             return f"the pool is broken ({problem}): {RESTART}"
         return "the pool keeps its ranks and their namespaces on every host"
-
-
-def _failure_label(devices: int) -> Any:
-    tag = label(devices)
-    return lambda rank: "hosts" if rank < 0 else tag(rank)
 
 
 def _engine_problem(exc: Exception) -> str:

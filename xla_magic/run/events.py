@@ -73,6 +73,8 @@ def take_status(run: Any, rank: int, fields: dict[str, Any]) -> None:
         state.memory = fields["memory"]
     if fields.get("state") == "ready":
         run.ranks.cache_reported(rank, fields.get("compile_cache"))
+        if fields.get("ordinal") is not None and run.ranks.world:  # one host of several: its global rank
+            state.ordinal = run.ranks.ordinals[rank] = fields["ordinal"]
     if fields.get("state") == "ready" and rank in run.targets and run.sent and run.frame is None:
         run.rank_state(rank, "running")  # its request came with the job: it runs it now
     else:

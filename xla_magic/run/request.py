@@ -268,6 +268,8 @@ class Request:
         if not data:
             self._closed(conn)
         elif conn.reader is None:
+            if self.ranks.world and conn.rank not in self.ranks.ordinals:  # its tag needs the global rank it said
+                self.drain([self.ranks.events[conn.rank]])
             self.output.feed(conn.rank, conn.kind, data)
         else:
             for event in conn.reader.feed(data):
