@@ -84,16 +84,24 @@ def serve(channel: protocol.Channel) -> None:
             for fd in fds:
                 os.close(fd)
             continue
-        from xla_magic.launcher import backends
+        start_job(channel, event, fds)
 
-        launcher_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            channel.sock.close()
-            backends.supervise(event.fields, fds, launcher_pid)
-        for fd in fds:
-            os.close(fd)
-        channel.send(protocol.STARTED, run_id=event.fields["run_id"], pid=pid)
+
+def start_job(channel: protocol.Channel, event: protocol.Event, fds: list[int], *inherited: socket.socket) -> int:
+    """Fork the job's supervisor (which closes what it must not hold: our channel, ``inherited``), say STARTED."""
+    from xla_magic.launcher import backends
+
+    launcher_pid = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        channel.sock.close()
+        for sock in inherited:
+            sock.close()
+        backends.supervise(event.fields, fds, launcher_pid)
+    for fd in fds:
+        os.close(fd)
+    channel.send(protocol.STARTED, run_id=event.fields["run_id"], pid=pid)
+    return pid
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,18 +162,7 @@ def keep(channel: protocol.Channel, args: argparse.Namespace) -> None:
             for fd in fds:
                 os.close(fd)
             return
-        from xla_magic.launcher import backends
-
-        launcher_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            channel.sock.close()
-            keeper.listener.close()
-            backends.supervise(event.fields, fds, launcher_pid)
-        for fd in fds:
-            os.close(fd)
-        channel.send(protocol.STARTED, run_id=event.fields["run_id"], pid=pid)
-        keeper.take_job(pid)
+        keeper.take_job(start_job(channel, event, fds, keeper.listener))
         keeper.run()
     finally:
         keeper.close()
