@@ -7,6 +7,7 @@ the test says; every iopub message is kept with its parent header, to tell under
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -380,3 +381,49 @@ def test_a_background_runs_xla_report_comes_under_its_cell_when_it_ends(nb):
     _, path = nb.run("print(run.path)")
     logged = [entry["display"].get("text/plain", "") for entry in run_log.read(path.strip()) if "display" in entry]
     assert any(text.startswith(f"What XLA did in run {run_id}:") for text in logged)
+
+
+def test_a_background_runs_chart_is_drawn_under_its_cell_and_updated_in_place_while_other_cells_run(nb, tmp_path):
+    marker = str(tmp_path / "go")
+    started, shown = nb.run(
+        "%%xla_spawn --bg -o run\nimport os, time\nfrom xla_magic import log\n"
+        "log(loss=1.0 + rank)\n"
+        "began = time.monotonic()\n"
+        "while time.monotonic() - began < 0.3:  # past FLUSH_SECONDS: the next log sends both rows\n"
+        "    time.sleep(0.02)\n"
+        "log(loss=0.5 + rank)\n"
+        f"while not os.path.exists({marker!r}):\n"
+        "    time.sleep(0.02)\n"
+        "for step in range(2, 6):\n"
+        "    log(loss=1 / (step + 1) + rank)\n"
+        "rank")
+    run_id = int(re.search(r"<run (\d+)", shown)[1])
+
+    def charts(msg_id: str) -> list[dict]:
+        return [m for m in nb.messages if m["parent_header"].get("msg_id") == msg_id
+                and m["msg_type"] in ("display_data", "update_display_data")
+                and 'class="xla-metrics"' in m["content"]["data"].get("text/html", "")]
+
+    # drawn under the cell that started the run, while the run waits
+    nb.read_until(lambda: any("loss = 1 at step 1, mean of 2 ranks" in m["content"]["data"]["text/html"]
+                              for m in charts(started)))
+    _, text = nb.run("print(run.done())")
+    assert text == "False\n"
+    # another cell lets the run go on and waits for it: the chart's updates still go under the run's cell
+    other, text = nb.run(f"open({marker!r}, 'w').close()\nprint(run.wait())")
+    assert text == "[0, 1]\n"
+    nb.read_until(lambda: f"run {run_id} ended after" in nb.under(started))
+    drawn = charts(started)
+    assert drawn[0]["msg_type"] == "display_data" and all(m["msg_type"] == "update_display_data" for m in drawn[1:])
+    display_id = drawn[0]["content"]["transient"]["display_id"]
+    assert all(m["content"]["transient"]["display_id"] == display_id for m in drawn)  # one chart, in place
+    mean = (1 / 6 + 1 / 6 + 1) / 2
+    assert f"loss = {mean:.4g} at step 5, mean of 2 ranks" in drawn[-1]["content"]["data"]["text/html"]
+    assert not charts(other) and "loss" not in nb.under(other)
+    # %xla_metrics RUN returns what it logged
+    _, text = nb.run(f"import json\ntable = %xla_metrics {run_id}\nprint(json.dumps(table))")
+    table = json.loads(text)
+    rows = sorted(zip(table["rank"], table["step"], table["value"]))
+    assert set(table["run"]) == {run_id} and set(table["name"]) == {"loss"}
+    assert rows == [(rank, step, value + rank) for rank in (0, 1)
+                    for step, value in enumerate([1.0, 0.5, 1 / 3, 1 / 4, 1 / 5, 1 / 6])]

@@ -209,11 +209,14 @@ class Chart:
         self._line = ""  # the text line last drawn (not in a notebook)
 
     def notice(self, record: RunRecord) -> None:
-        """A listener of the session's history (history.notify): redraw when due."""
-        if record is not self.record or len(record.metrics) == self.taken:
+        """A listener of the session's history (history.notify): redraw when due. Rows that came too soon after
+        a drawing are drawn at a later notice (the request's tick) even when no more rows come: a rank that
+        waits (a long step, a gated background run) leaves its last values drawn."""
+        if record is not self.record:
             return
-        self.take()
-        if time.monotonic() - self.drawn_at >= self.interval:
+        if len(record.metrics) != self.taken:
+            self.take()
+        if self.drawn_rows != self.taken and time.monotonic() - self.drawn_at >= self.interval:
             self.draw()
 
     def take(self) -> None:
