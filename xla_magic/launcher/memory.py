@@ -180,13 +180,97 @@ def _walk(namespace: dict[str, Any], frame: types.FrameType | None, deep: bool) 
 def count(namespace: dict[str, Any], frame: types.FrameType | None = None) -> int:
     """The bytes (padded to TPU tiles) of the tensors the names reach, right after a sync (each holds its buffer).
 
-    The simulation's count at every sync: containers, modules and optimizers only (no plain objects'
-    attributes), and no record per tensor, so that it costs a small fraction of a training step.
+    The simulation's count at every sync: the same roots and order as ``holders``' walk, but containers,
+    modules and optimizers only (no plain objects' attributes), no names and no record per tensor, and
+    each shape's padded size remembered, so that it costs a small fraction of a training step.
     """
-    total = 0
-    for value, _name, _kind in _walk(namespace, frame, deep=False).found.values():
-        total += padded_bytes(tuple(value.shape), value.element_size())
-    return total
+    counter = _Count()
+    roots = list(_roots(namespace, frame))
+    for value in [value for _name, value in roots if isinstance(value, torch.nn.Module)]:
+        counter.value(value, 0)
+    for value in [value for _name, value in roots if isinstance(value, torch.optim.Optimizer)]:
+        counter.value(value, 0)
+    for _name, value in roots:
+        if isinstance(value, torch.Tensor) and value.is_xla:
+            counter.tensor(value)
+    for _name, value in roots:
+        counter.value(value, 0)
+    return counter.total
+
+
+_PADDED: dict[tuple[Any, Any], int] = {}  # (shape, dtype) -> padded bytes, for the count at every sync
+
+
+class _Count:
+    """``_Walk(deep=False)``'s traversal, summing padded bytes per distinct tensor instead of naming them."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.ids: set[int] = set()
+        self.seen_objects: set[int] = set()
+        self.tensor_id = _get_tensor_id or _tensor_id  # torch_xla's own, called directly once bound
+
+    def tensor(self, value: torch.Tensor) -> None:
+        try:
+            key = int(self.tensor_id(value))
+        except Exception:  # as _tensor_id: a tensor torch_xla cannot name
+            key = -id(value)
+        if key in self.ids:
+            return
+        self.ids.add(key)
+        shape = value.shape
+        size = _PADDED.get((shape, value.dtype))
+        if size is None:
+            if len(_PADDED) > 4096:
+                _PADDED.clear()
+            size = _PADDED[(shape, value.dtype)] = padded_bytes(tuple(shape), value.element_size())
+        self.total += size
+
+    def module(self, value: torch.nn.Module) -> None:
+        for param in value.parameters():
+            if param.is_xla:
+                self.tensor(param)
+                grad = param.grad
+                if grad is not None and grad.is_xla:
+                    self.tensor(grad)
+        for buffer in value.buffers():
+            if isinstance(buffer, torch.Tensor) and buffer.is_xla:
+                self.tensor(buffer)
+
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        states = value.state
+        if not hasattr(states, "get"):
+            return
+        for group in value.param_groups:
+            for param in group["params"]:
+                state = states.get(param)
+                if state:
+                    for item in state.values():
+                        if isinstance(item, torch.Tensor) and item.is_xla:
+                            self.tensor(item)
+
+    def value(self, value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_xla:
+                self.tensor(value)
+                return
+        elif isinstance(value, _SKIPPED) or value is None or type(value).__module__.startswith("IPython."):
+            return
+        if id(value) in self.seen_objects:
+            return
+        self.seen_objects.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            self.module(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            self.optimizer(value)
+        elif depth >= DEPTH:
+            return
+        elif isinstance(value, (list, tuple)):
+            for item in value[:4096]:
+                self.value(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in list(value.values())[:4096]:
+                self.value(item, depth + 1)
 
 
 def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
