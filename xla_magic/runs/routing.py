@@ -13,10 +13,14 @@ written to the run's log (log.py), and then shown under the run's own cell:
 - the cell: ipykernel (6.29 and later) lets a thread name the parent of what
   it sends (``set_thread_parent`` on its streams and on the shell's display
   publisher), so the thread's messages carry the starting cell's header and
-  a front end puts them under that cell, whatever cell runs now.
-  ipykernel's IOPub socket is its own thread's, safe to send to from any.
+  a front end puts them under that cell, whatever cell runs now. An older
+  ipykernel (Colab's 6.17) has no such thing: there the thread's stream
+  writes are sent as stream messages of their own, with the starting cell as
+  their parent, on the kernel's IOPub socket, which is its own thread's and
+  safe to send to from any.
 - displays: the display publisher's hooks are the calling thread's own
-  (``register_hook``); the thread's hook writes each display to the log.
+  (``register_hook``); the thread's hook writes each display to the log and
+  names the starting cell as its parent (what an older ipykernel needs).
 - in a terminal IPython the lines print as they come.
 """
 
@@ -42,6 +46,11 @@ class Routed:
         sink = getattr(_local, "sink", None)
         if sink is not None and text:
             sink(self._name, text)
+        send = getattr(_local, "send", None)
+        if send is not None:  # an ipykernel whose streams cannot take a thread's parent
+            if text:
+                send(self._name, text)
+            return len(text)
         return self._original.write(text)
 
     def writelines(self, lines: Any) -> None:
@@ -93,9 +102,13 @@ class ThreadOutput:
     def __enter__(self) -> ThreadOutput:
         _local.sink = self.stream
         if self.parent:
-            for target in (original(sys.stdout), original(sys.stderr), getattr(self.shell, "display_pub", None)):
+            streams = (original(sys.stdout), original(sys.stderr))
+            for target in (*streams, getattr(self.shell, "display_pub", None)):
                 if hasattr(target, "set_thread_parent"):
                     target.set_thread_parent(self.parent)  # this thread's only: a context variable
+            kernel = getattr(self.shell, "kernel", None)
+            if kernel is not None and not all(hasattr(stream, "set_thread_parent") for stream in streams):
+                _local.send = self._send_stream
         publisher = getattr(self.shell, "display_pub", None)
         if hasattr(publisher, "register_hook"):  # ipykernel's: this thread's hooks only
             publisher.register_hook(self._hook)
@@ -111,8 +124,18 @@ class ThreadOutput:
         if self._hooked is not None:
             self._hooked.unregister_hook(self._hook)
         _local.sink = None
+        _local.send = None
+
+    def _send_stream(self, name: str, text: str) -> None:
+        kernel = self.shell.kernel
+        kernel.session.send(kernel.iopub_socket, "stream", {"name": name, "text": text}, parent=self.parent,
+                            ident=b"stream." + name.encode())
 
     def _hook(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.parent:
+            from jupyter_client.session import extract_header
+
+            msg["parent_header"] = extract_header(self.parent)
         if msg.get("msg_type") in ("display_data", "update_display_data"):
             self.display(msg)
         return msg
