@@ -327,7 +327,10 @@ def test_a_background_runs_displays_and_profile_come_under_its_cell_and_into_its
                 and m["content"]["data"].get("text/plain", "").startswith("Profile of run ")]
 
     nb.read_until(profile_under_it)  # filled in once the ranks read their traces: under the run's own cell
-    under = nb.under(started)
+    # The run's own output, without the cell's result (the handle's repr, shown as the run may already be going)
+    under = "".join(m["content"]["text"] if m["msg_type"] == "stream" else m["content"]["data"].get("text/plain", "") + "\n"
+                    for m in nb.messages if m["parent_header"].get("msg_id") == started
+                    and m["msg_type"] in ("stream", "display_data"))
     assert "[rank 0]\nshown by 0" in under and "[rank 1]\nshown by 1" in under  # each under its rank's label
     _, path = nb.run("print(run.path)")
     logged = [entry["display"]["text/plain"] for entry in run_log.read(path.strip()) if "display" in entry]
