@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from bench_kernel import Kernel, alternate, ratio_note
+from bench_kernel import Kernel, alternate, pool_kernel, ratio_note
 
 RANKS = 8
 LINES = 50_000
@@ -80,14 +80,8 @@ def round_trip_row(kernel: Kernel) -> Row:
 
 
 def main() -> list[Row]:
-    kernel = Kernel()
-    try:
-        kernel.run(f"%load_ext xla_magic\n%xla_pool start --devices {RANKS} --backend cpu")
-        rows = [returns_row(kernel), stream_row(kernel), round_trip_row(kernel)]
-        kernel.run("%xla_pool stop")
-        return rows
-    finally:
-        kernel.close()
+    with pool_kernel(RANKS) as kernel:
+        return [returns_row(kernel), stream_row(kernel), round_trip_row(kernel)]
 
 
 if __name__ == "__main__":

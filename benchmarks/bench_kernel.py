@@ -29,10 +29,11 @@ note gives the median of the rounds' ratios.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 RANKS = 8
 GATHER_BYTES = 64 << 20  # per rank
@@ -71,6 +72,29 @@ class Kernel:
     def close(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
+
+
+@contextlib.contextmanager
+def pool_kernel(ranks: int) -> Iterator[Kernel]:
+    """A real kernel with the extension loaded and a pool of ``ranks`` on the cpu backend, stopped and closed after."""
+    kernel = Kernel()
+    try:
+        kernel.run(f"%load_ext xla_magic\n%xla_pool start --devices {ranks} --backend cpu")
+        yield kernel
+        kernel.run("%xla_pool stop")
+    finally:
+        kernel.close()
+
+
+# A training cell's set-up, in every rank: a small model, its optimizer and one batch on the rank's device
+# (after the cell's own imports of torch and torch_xla).
+MODEL_SETUP = """
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(32, 64).to(device)
+y = torch.randint(0, 10, (32,)).to(device)
+"""
 
 
 # What the user does to drop a shown result (see tests/test_results_mapped.py).
@@ -202,16 +226,8 @@ def round_trip_row(kernel: Kernel) -> Row:
 
 
 def main() -> list[Row]:
-    kernel = Kernel()
-    try:
-        kernel.run(f"%load_ext xla_magic\n%xla_pool start --devices {RANKS} --backend cpu")
-        rows = gather_rows(kernel)
-        rows.append(ship_row(kernel))
-        rows.append(round_trip_row(kernel))
-        kernel.run("%xla_pool stop")
-        return rows
-    finally:
-        kernel.close()
+    with pool_kernel(RANKS) as kernel:
+        return [*gather_rows(kernel), ship_row(kernel), round_trip_row(kernel)]
 
 
 if __name__ == "__main__":

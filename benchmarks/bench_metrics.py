@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from bench_kernel import Kernel
+from bench_kernel import MODEL_SETUP, Kernel
 
 RANKS = 4
 ROUNDS = 7
@@ -34,13 +34,7 @@ LONG_RANKS = 8
 LONG_STEPS = 10_000
 SETUP = """
 import torch, torch_xla
-from xla_magic import log
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(32, 64).to(device)
-y = torch.randint(0, 10, (32,)).to(device)
-def steps(count, logged):
+from xla_magic import log""" + MODEL_SETUP + """def steps(count, logged):
     for step in range(count):
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)

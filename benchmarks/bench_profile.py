@@ -67,20 +67,14 @@ import tempfile
 import time
 from typing import Any, Iterator
 
-from bench_kernel import Kernel
+from bench_kernel import MODEL_SETUP, Kernel
 
 RANKS = 4
 ROUNDS = 11  # cells of each kind
 WARM_UP = 2
 SETUP = """
 import torch, torch_xla
-import torch_xla.debug.profiler as xp
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(32, 64).to(device)
-y = torch.randint(0, 10, (32,)).to(device)
-def steps(count=10):
+import torch_xla.debug.profiler as xp""" + MODEL_SETUP + """def steps(count=10):
     for step in range(count):
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)

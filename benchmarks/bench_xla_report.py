@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any
 
+from bench_kernel import MODEL_SETUP
 from bench_pool import start_shell
 
 RANKS = 8
@@ -39,13 +40,7 @@ TRIVIAL = "a = 1"
 # less work in the kernel than the off side: 20-30 µs of the kernel's CPU a cell, measured).
 ON, OFF = "--xla-report auto", "--xla-report off"
 TRAIN_SETUP = """
-import torch, torch_xla
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(32, 64).to(device)
-y = torch.randint(0, 10, (32,)).to(device)
-"""
+import torch, torch_xla""" + MODEL_SETUP
 TRAIN = f"""
 for step in range({TRAIN_STEPS}):
     optimizer.zero_grad()

@@ -8,13 +8,14 @@ bounds a failure; none of them is a guessed duration.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import nbformat
 import psutil
@@ -363,6 +364,21 @@ def on_every_rank_running(session, action: Callable[[], Any]) -> Listening:
     return listening
 
 
+def stacks_with_a_thread_left(shell) -> tuple[list[str], int]:
+    """Run a pool cell in ``shell`` that leaves a thread, 'napper', asleep at line 3 of the cell, then
+    %xla_stacks: the lines it printed, and the index of the one that says where the pool's ranks are now."""
+    leaves_a_thread = ("import threading, time\n"
+                       "def nap():\n"
+                       "    time.sleep(600)\n"
+                       "threading.Thread(target=nap, name='napper', daemon=True).start()\n")
+    with capture_output():
+        shell.run_cell_magic("xla_spawn", "", leaves_a_thread)
+    with capture_output() as captured:
+        shell.run_line_magic("xla_stacks", "")
+    lines = captured.stdout.splitlines()
+    return lines, lines.index("Where the pool's ranks are now:")
+
+
 # --- real kernels ----------------------------------------------------------------------
 
 
@@ -424,6 +440,20 @@ class Kernel:
             self.manager.shutdown_kernel(now=True)
         else:  # a test killed it: its connection file is still ours to remove
             self.manager.cleanup_resources()
+
+
+@contextlib.contextmanager
+def kernel_with_pool(devices: int = 2) -> Iterator[Kernel]:
+    """A real kernel with the extension loaded and a pool of ``devices`` ranks on the cpu backend; closed after
+    (the pool with it)."""
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        content, text = kernel.run(f"%xla_pool start --devices {devices} --backend cpu")
+        assert content["status"] == "ok", text
+        yield kernel
+    finally:
+        kernel.close()
 
 
 def notebook(*cells: str) -> nbformat.NotebookNode:

@@ -16,7 +16,7 @@ import time
 import pytest
 from jupyter_client import BlockingKernelClient
 
-from helpers import KERNEL_TIMEOUT, Kernel, strip_ansi
+from helpers import KERNEL_TIMEOUT, Kernel, kernel_with_pool, strip_ansi
 from xla_magic.runs import log as run_log
 
 
@@ -79,14 +79,8 @@ class Notebook:
 @pytest.fixture(scope="module")
 def kernel():
     """A real kernel with a 2-rank pool for the module."""
-    k = Kernel()
-    try:
-        k.run("%load_ext xla_magic")
-        content, text = k.run("%xla_pool start --devices 2 --backend cpu")
-        assert content["status"] == "ok", text
+    with kernel_with_pool() as k:
         yield k
-    finally:
-        k.close()
 
 
 @pytest.fixture

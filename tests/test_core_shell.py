@@ -244,31 +244,12 @@ def test_modules_travel_by_name(ip, spawn):
     assert run.value == [('{"r": 0}', "b"), ('{"r": 1}', "b")]
 
 
-def test_a_dead_launcher_is_replaced_on_the_next_cell(ip, spawn):
-    import psutil
-
-    session = ip._xla_magic_session
-    old = session.host.ensure_launcher()
-    old.wait_ready()
-    psutil.Process(old.pid).kill()
-    old.process.wait()
-    assert spawn("--devices 2", "rank").value == [0, 1]
-    assert session.host.launcher is not old and session.host.launcher.alive()
+# A launcher killed between cells is replaced on the next cell: tests/test_launcher.py's
+# test_a_launcher_that_does_not_take_a_cell_is_replaced_without_leaks (its second half).
 
 
-def test_unload_stops_every_process_and_reload_works(ip, spawn):
-    import psutil
-
-    session = ip._xla_magic_session
-    session.host.ensure_launcher().wait_ready()
-    assert psutil.Process().children(recursive=True)
-    ip.run_line_magic("unload_ext", "xla_magic")
-    try:
-        assert "xla_spawn" not in ip.magics_manager.magics["cell"]
-        assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
-    finally:
-        ip.run_line_magic("load_ext", "xla_magic")
-    assert spawn("--devices 2", "rank").value == [0, 1]
+# %unload_ext ending every process (the launcher too) and a reload that works: with a pool running, in
+# tests/test_pool.py's test_unload_stops_the_pool_and_every_rank (one unload and restart of the launcher, not two).
 
 
 def magics_from_xla_magic(ip) -> set[tuple[str, str]]:

@@ -18,7 +18,7 @@ import time
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Kernel, alive, wait_for, wait_gone
+from helpers import Kernel, alive, kernel_with_pool, wait_for, wait_gone
 from xla_magic import stacks
 from xla_magic.display import RankError
 
@@ -26,14 +26,8 @@ from xla_magic.display import RankError
 @pytest.fixture(scope="module")
 def kernel():
     """A real kernel with a 2-rank pool for the module; one-shot cells in it run with --fresh."""
-    k = Kernel()
-    try:
-        k.run("%load_ext xla_magic")
-        content, text = k.run("%xla_pool start --devices 2 --backend cpu")
-        assert content["status"] == "ok", text
+    with kernel_with_pool() as k:
         yield k
-    finally:
-        k.close()
 
 
 def asked(kernel: Kernel, code: str, answers: list[str]) -> str:

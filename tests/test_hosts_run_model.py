@@ -16,7 +16,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from helpers import Listening
+from helpers import Listening, stacks_with_a_thread_left
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
 from xla_magic import widget
 from xla_magic.display import RunInterrupted
@@ -59,16 +59,7 @@ def test_the_watchdog_names_every_rank_on_every_host_while_the_cell_runs(ip, poo
 
 
 def test_xla_stacks_asks_every_rank_on_every_host_where_it_is_now(ip, pool):
-    leaves_a_thread = ("import threading, time\n"
-                       "def nap():\n"
-                       "    time.sleep(600)\n"
-                       "threading.Thread(target=nap, name='napper', daemon=True).start()\n")
-    with capture_output():
-        ip.run_cell_magic("xla_spawn", "", leaves_a_thread)
-    with capture_output() as captured:
-        ip.run_line_magic("xla_stacks", "")
-    lines = captured.stdout.splitlines()
-    now = lines.index("Where the pool's ranks are now:")
+    lines, now = stacks_with_a_thread_left(ip)
     assert lines[now + 1:now + 4] == ["h0 r0, h0 r1, h1 r2, h1 r3: idle (no cell running)",
                                       "  thread 'napper': sleeping in time.sleep (line 3)",
                                       "    line 3 in nap: time.sleep(600)"], lines

@@ -58,24 +58,40 @@ def test_notebook_runs_cells_on_ranks_end_to_end():
 
 
 def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
+    """Every placement is refused once the kernel holds an XLA runtime: a one-shot cell, and an SPMD pool's
+    cell and a fresh SPMD cell (the pool started before the kernel touched XLA); the status panel's kernel
+    badge turns red."""
     nb = execute(
         notebook(
             "%load_ext xla_magic",
+            "%xla_pool start --spmd --devices 2",
             "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
+            "%%xla_spawn\nworld_size",
+            "%%xla_spawn --spmd --fresh --devices 2\nworld_size",
+            "%xla_pool stop",
             "%%xla_spawn --devices 2\nrank",
             "%xla_help kernel-initialised-xla",
+            "from xla_magic import widget\nfact = widget.kernel_fact()\nprint(fact.alarm, fact.kind)\n"
+            "print(widget.facts_html([fact]))",
         ),
         PJRT_DEVICE="CPU",
     )
-    assert "2.0" in text_of(nb.cells[1])
-    refused = text_of(nb.cells[2])
+    assert "pool ready" in stream(nb.cells[1], "stdout") and "2.0" in text_of(nb.cells[2])
+    for refused in (text_of(nb.cells[3]), text_of(nb.cells[4])):
+        assert "UsageError" in refused and "%%xla_spawn refused: this kernel has initialised an XLA runtime" in refused
+    assert "pool stopped" in stream(nb.cells[5], "stdout")
+    refused = text_of(nb.cells[6])
     assert "UsageError" in refused
     assert "initialised an XLA runtime" in refused and "Restart the kernel" in refused
     # the line the refusal ends with, run in the same notebook, shows its troubleshooting entry there
     assert refused.rstrip().endswith("%xla_help kernel-initialised-xla says more.")
-    (shown,) = [output for output in nb.cells[3].outputs if output.output_type == "display_data"]
+    (shown,) = [output for output in nb.cells[7].outputs if output.output_type == "display_data"]
     assert shown.data["text/markdown"].startswith("**%%xla_spawn refused: this kernel has initialised an XLA runtime**")
     assert "keep every use of torch_xla inside" in " ".join(shown.data["text/markdown"].split())
+    first, badge = stream(nb.cells[8], "stdout").split("\n", 1)
+    assert first == "True held"
+    assert "kernel holds an XLA runtime" in badge and "Restart the kernel" in badge
+    assert "#c62828" in badge
 
 
 @pytest.fixture

@@ -129,7 +129,7 @@ def test_a_launcher_that_does_not_take_a_cell_is_replaced_without_leaks(ip, spaw
     psutil.Process(dead.pid).kill()
     dead.process.wait()
     assert spawn("--devices 2", "rank").value == [0, 1]
-    assert session.host.launcher is not dead
+    assert session.host.launcher is not dead and session.host.launcher.alive()
     assert not os.path.exists(dead.dir) and dead.channel.sock.fileno() == -1
 
 

@@ -13,7 +13,7 @@ import signal
 import pytest
 from IPython.core.error import UsageError
 
-from helpers import DETACHED, alive, pool_magic, shown, wait_gone, when
+from helpers import DETACHED, alive, pool_magic, wait_gone
 from xla_magic.display import RankError
 
 def test_everything_a_one_shot_cell_starts_ends_with_it(spawn):
@@ -76,17 +76,8 @@ def test_a_result_whose_loading_raises_systemexit_names_the_rank(spawn):
     assert spawn("--devices 2", "rank").value == [0, 1]
 
 
-def test_a_launcher_killed_mid_cell_is_named_and_the_next_cell_recovers(ip, spawn):
-    pid = ip._xla_magic_session.host.ready_launcher().pid
-    killed = when(lambda: shown("working") >= 2, lambda: os.kill(pid, signal.SIGKILL))  # both ranks at work
-    with pytest.raises(RankError) as info:
-        spawn("--devices 2", "import time\nprint('working', flush=True)\ntime.sleep(300)")
-    assert killed.is_set()
-    text = "\n".join(info.value._render_traceback_())
-    assert "the launcher process died (SIGKILL" in text and "the next cell starts a new launcher" in text
-    assert "ended without reporting" not in text
-    assert "smaller batch" not in text  # host memory, never the device's advice
-    assert spawn("--devices 2", "rank").value == [0, 1]
+# A launcher killed mid-cell, named, and the next cell recovering: tests/test_faults.py's crash table
+# (launcher-killed-mid-cell, in a one-shot cell and in a pool).
 
 
 def test_a_pool_whose_launcher_died_says_so(ip, spawn):

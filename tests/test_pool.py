@@ -21,8 +21,8 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from conftest import BACKING, kernel_is_xla_free
-from helpers import (WITHIN, WRITE_MEET_READ, Kernel, emptied, interrupt_once_written, interrupt_when, main_thread_in,
-                     pool_magic, press_stop, shown, stopped, wait_for, wait_gone, when)
+from helpers import (WITHIN, WRITE_MEET_READ, Kernel, alive, emptied, interrupt_once_written, interrupt_when,
+                     main_thread_in, pool_magic, press_stop, shown, stopped, wait_for, wait_gone, when)
 from xla_magic import frame_writer
 from xla_magic.wire import transport
 from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
@@ -661,7 +661,11 @@ def test_tpu_launch_path_crash_breaks_the_pool(ip, thread_pool, spawn):
 
 
 def test_unload_stops_the_pool_and_every_rank(ip, spawn):
+    """%unload_ext ends the pool, its ranks and values, the launcher and every other process of ours, and takes
+    the magics with it; %load_ext afterwards works as the first did."""
     pool_magic(ip, "start --devices 2 --backend cpu")
+    launcher = ip._xla_magic_session.host.ensure_launcher()
+    launcher.wait_ready()
     pids = pool_pids(ip)
     supervisor = ip._xla_magic_session.pool.ranks.supervisor_pid
     prefix = ip._xla_magic_session.pool.ranks.shipping.held.segments.prefix
@@ -669,7 +673,10 @@ def test_unload_stops_the_pool_and_every_rank(ip, spawn):
     assert len(mapped_here(prefix)) == 1
     ip.run_line_magic("unload_ext", "xla_magic")
     try:
+        assert "xla_spawn" not in ip.magics_manager.magics["cell"]
+        assert not alive(launcher.pid)  # ended by the unload itself, not later
         assert wait_gone(pids | {supervisor}) == []
+        assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
         assert segments_left() == [] and mapped_here(prefix) == []
     finally:
         ip.run_line_magic("load_ext", "xla_magic")

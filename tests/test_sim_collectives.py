@@ -204,7 +204,9 @@ def expected_dist(n: int, r: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("devices", [2, 4, 8])
+# At 2 and 4 ranks: the simulation's collectives at 8 are test_xm_collectives_match_one_process's; here eight
+# ranks would only compile the same graphs four times more on two cores.
+@pytest.mark.parametrize("devices", [2, 4])
 def test_torch_distributed_ddp_and_compiled_collectives_match_one_process(spawn, devices):
     run = spawn(f"--devices {devices} --backend cpu", DIST)
     reference = ddp_in_one_process([inputs(i, devices) for i in range(devices)])

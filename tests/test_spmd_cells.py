@@ -19,7 +19,7 @@ import torch
 from IPython.core.error import UsageError
 
 from conftest import kernel_is_xla_free
-from helpers import execute, interrupt_once_written, notebook, pool_magic, spawn_cell, stream, strip_ansi, text_of
+from helpers import execute, interrupt_once_written, notebook, pool_magic, spawn_cell, stream, strip_ansi
 from xla_magic import sharding
 from xla_magic.display import RankError, RunInterrupted
 
@@ -198,22 +198,9 @@ def test_spmd_cells_and_pool_in_a_real_kernel():
     assert "pool stopped" in stream(nb.cells[5], "stdout")
 
 
-def test_a_kernel_that_started_xla_is_refused_spmd_cells_as_rank_cells():
-    nb = execute(
-        notebook(
-            "%load_ext xla_magic",
-            "%xla_pool start --spmd --devices 2",
-            "import torch, torch_xla\nfloat(torch.ones(2, device=torch_xla.device()).sum().cpu())",
-            "%%xla_spawn\nworld_size",
-            "%%xla_spawn --spmd --fresh --devices 2\nworld_size",
-            "%xla_pool stop",
-        ),
-        PJRT_DEVICE="CPU",
-    )
-    assert "pool ready" in stream(nb.cells[1], "stdout") and "2.0" in text_of(nb.cells[2])
-    for refused in (text_of(nb.cells[3]), text_of(nb.cells[4])):
-        assert "UsageError" in refused and "%%xla_spawn refused: this kernel has initialised an XLA runtime" in refused
-    assert "pool stopped" in stream(nb.cells[5], "stdout")
+# A kernel that started XLA is refused SPMD cells (an SPMD pool's and a fresh one) as rank cells: in the same
+# notebook as the one-shot cell's refusal, tests/test_kernel.py's
+# test_kernel_that_initialised_xla_is_refused_with_a_way_out (one kernel that initialises XLA, not two).
 
 
 def test_default_axes_stay_in_step_with_the_launcher_side():

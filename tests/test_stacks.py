@@ -1,7 +1,8 @@
 """What differs between the supported package stacks (scripts/stacks/), on whichever stack runs this.
 
-`make test` runs this file on each stack: the current one, Colab's pins
-(IPython 7.34, ipykernel 6.17, ipywidgets 7.7) and Kaggle's torch 2.8.
+`make test` runs this file on the current stack, and on Colab's pins
+(IPython 7.34, ipykernel 6.17, ipywidgets 7.7) and Kaggle's torch 2.8 the
+tests of what differs there (scripts/stacks/subset.txt says which).
 It checks the two things that broke there: a notebook shell that is a
 *subclass* of ipykernel's (as Colab's is) must get the notebook behaviour,
 and importing torch_xla in the launcher must leave no helper processes.

@@ -17,7 +17,7 @@ from typing import Callable
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import KERNEL_TIMEOUT, Kernel, Listening, press_stop, strip_ansi
+from helpers import KERNEL_TIMEOUT, Kernel, Listening, press_stop, stacks_with_a_thread_left, strip_ansi
 from xla_magic import stacks, widget
 from xla_magic.display import RunInterrupted
 from xla_magic.record import RunRecord
@@ -224,18 +224,7 @@ def test_pool_sleep_on_every_rank_is_only_slow(pool):
 
 def test_xla_stacks_shows_the_stopped_cell_then_where_the_pool_is_now_with_a_thread_left_running(pool):
     test_pool_sleep_on_every_rank_is_only_slow(pool)  # the cell stopped last, in this test's own pool
-    leaves_a_thread = (
-        "import threading, time\n"
-        "def nap():\n"
-        "    time.sleep(600)\n"
-        "threading.Thread(target=nap, name='napper', daemon=True).start()\n"
-    )
-    with capture_output():
-        pool.run_cell_magic("xla_spawn", "", leaves_a_thread)
-    with capture_output() as captured:
-        pool.run_line_magic("xla_stacks", "")
-    lines = captured.stdout.splitlines()
-    now = lines.index("Where the pool's ranks are now:")
+    lines, now = stacks_with_a_thread_left(pool)
     assert lines[0].startswith("Where each rank was when interrupted (cell ")  # the sleep test's, stopped last
     assert "ranks 0, 1: sleeping in time.sleep (line 3)" in lines[:now]
     assert lines[now + 1:] == ["ranks 0, 1: idle (no cell running)",

@@ -7,10 +7,6 @@ checks what a person sees.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from html.parser import HTMLParser
 from importlib import metadata
 
@@ -204,22 +200,5 @@ def test_pool_row_and_stop_pool_button(ip, panel):
     assert wait_gone(p.pid for p in ranks) == []
 
 
-def test_badge_turns_red_when_the_kernel_holds_an_xla_runtime():
-    # A separate process plays a kernel that used the XLA device directly.
-    script = textwrap.dedent(
-        """
-        import torch, torch_xla
-        torch.ones(1, device=torch_xla.device()).cpu()
-        from xla_magic import widget
-        fact = widget.kernel_fact()
-        print(fact.alarm, fact.kind)
-        print(widget.facts_html([fact]))
-        """
-    )
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    first, html = done.stdout.split("\n", 1)
-    assert first == "True held"
-    assert "kernel holds an XLA runtime" in html and "Restart the kernel" in html
-    assert "#c62828" in html
+# The kernel badge turning red once the kernel holds an XLA runtime: in the notebook of
+# tests/test_kernel.py's test_kernel_that_initialised_xla_is_refused_with_a_way_out, a kernel that did.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any
+from typing import Any, Callable
 
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
@@ -45,57 +45,42 @@ def _option_hint(parser: argparse.ArgumentParser, message: str) -> str | None:
     return None
 
 
-def device_count(text: str) -> int:
+def _number(text: str, kind: type, takes: str, fits: Callable[[Any], bool], refused: str) -> Any:
+    """An option's number: ``text`` as ``kind`` (int or float). Not one: "TAKES, not 'TEXT'"; one that ``fits``
+    refuses: ``refused``, its ``{text}`` and ``{value}`` filled in."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--devices takes a whole number of devices, like --devices 8, not {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--devices must be at least 1, not {value}")
+        raise argparse.ArgumentTypeError(f"{takes}, not {text!r}") from None
+    if not fits(value):
+        raise argparse.ArgumentTypeError(refused.format(text=text, value=value))
     return value
+
+
+def device_count(text: str) -> int:
+    return _number(text, int, "--devices takes a whole number of devices, like --devices 8", lambda n: n >= 1,
+                   "--devices must be at least 1, not {value}")
 
 
 def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--timeout takes seconds, like --timeout 60, not {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--timeout must be more than 0 seconds, not {text}")
-    return value
+    return _number(text, float, "--timeout takes seconds, like --timeout 60", lambda n: n > 0,
+                   "--timeout must be more than 0 seconds, not {text}")
 
 
 def rank_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--rank takes a rank's number, like --rank 1, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--rank takes a rank's number, 0 or more, not {value}")
-    return value
+    return _number(text, int, "--rank takes a rank's number, like --rank 1", lambda n: n >= 0,
+                   "--rank takes a rank's number, 0 or more, not {value}")
 
 
 def hang_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--hang-after takes seconds, like --hang-after 120, not {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--hang-after must be more than 0 seconds, not {text}; leave it out for "
-                                         f"the default ({HANG_AFTER:g} s)")
-    return value
+    return _number(text, float, "--hang-after takes seconds, like --hang-after 120", lambda n: n > 0,
+                   f"--hang-after must be more than 0 seconds, not {{text}}; leave it out for the default "
+                   f"({HANG_AFTER:g} s)")
 
 
 def keep_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--keep-idle takes seconds, like --keep-idle 3600, not {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"--keep-idle must be more than 0 seconds, not {text}")
-    return value
+    return _number(text, float, "--keep-idle takes seconds, like --keep-idle 3600", lambda n: n > 0,
+                   "--keep-idle must be more than 0 seconds, not {text}")
 
 
 def hang_after_argument(function: Any) -> Any:
