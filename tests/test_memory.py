@@ -143,7 +143,7 @@ def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, 
         ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\nx = torch.ones(225, 1024, device=device)\n"
                                             "torch_xla.sync()")
     said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
-    assert said == ["XLA: peak device memory 928.00K per rank (90% of rank 0's 1.00M: %xla_memory names what holds it)"]
+    assert said == ["XLA: peak memory 928.0 KiB (90% of rank 0's 1.0 MiB: %xla_memory names what holds it)"]
     record = ip._xla_magic_session.history[-1]
     for state in record.ranks.values():
         assert state.memory["bytes_used"] == state.memory["cell_peak_bytes"] == 232 * 1024 * 4
