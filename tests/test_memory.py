@@ -40,7 +40,7 @@ def test_get_memory_info_in_a_cell_counts_what_the_cell_holds(spawn, pool):
 
 def test_past_a_small_limit_the_sync_raises_the_tpus_words_and_the_pool_survives(ip, small_pool):
     cell = ("import torch, torch_xla\n"
-            "keep = torch.ones(256, 256, device=device)\n"
+            "keep, hidden = torch.ones(256, 256, device=device), (lambda t: lambda: t)(torch.ones(8, 128, device=device))\n"
             "torch_xla.sync()\n"
             "big = torch.ones(512, 512, device=device) + keep.sum()\n"
             "torch_xla.sync()\n")
@@ -51,6 +51,9 @@ def test_past_a_small_limit_the_sync_raises_the_tpus_words_and_the_pool_survives
            "That was not possible. There are 768.00K free." in text
     assert "line 5" in text and "torch_xla.sync()" in text
     assert "keep  float32[256, 256]  (other)" in text and "big  float32[512, 512]" in text
+    # a tensor no name reaches (a closure holds it) is told by its shape and where it was made
+    run_id = ip._xla_magic_session.history[-1].run_id
+    assert f"unnamed  float32[8, 128]  (other, made in cell {run_id}, computed at line 3: torch_xla.sync())" in text
     assert "Most of it: tensors left from earlier cells (big, keep)." in text
     assert "The rank survived it" in text
     assert "What to do:" in text and "del" in text
@@ -121,6 +124,21 @@ def test_xla_memory_reads_without_a_sync_or_a_compile(ip, spawn, pool):
     run = spawn("", "w.shape")
     record = ip._xla_magic_session.history[-1]
     assert [state.xla for state in record.ranks.values()] == [None, None]  # XLA did nothing in the cell
+
+
+def test_xla_memory_says_where_each_unnamed_tensor_was_made(ip, spawn, pool):
+    """Tensors no name reaches (held by closures): the cell and the sync line that computed each, or the cell."""
+    spawn("", "import torch, torch_xla\n"
+              "def keep(rows):\n    held = [torch.ones(rows, 40, device=device)]\n    return lambda: held\n"
+              "first = keep(24)\n"
+              "torch_xla.sync()\n"
+              "second = keep(16)\n")
+    run_id = ip._xla_magic_session.history[-1].run_id
+    with capture_output() as shown:
+        ip.run_line_magic("xla_memory", "--rank 1")
+    text = shown.stdout
+    assert f"  unnamed  float32[24, 40]  other  (made in cell {run_id}, computed at line 6: torch_xla.sync())" in text
+    assert f"  unnamed  float32[16, 40]  other  (not computed yet: no buffer)  (made in cell {run_id})" in text, text
 
 
 @pytest.mark.parametrize("line, message", [

@@ -153,8 +153,9 @@ def _rank_lines(rank: int, answer: dict[str, Any], label: str) -> list[str]:
     for holder in holders[:SHOWN]:
         shape = f"{holder['dtype']}[{', '.join(map(str, holder['shape']))}]"
         pending = "  (not computed yet: no buffer)" if holder.get("pending") else ""
+        made = f"  ({holder['made']})" if holder.get("made") else ""  # an unnamed tensor's cell and sync line
         lines.append(f"  {human(holder['bytes']):>9} {human(holder['padded']):>9} on a TPU  {holder['name']}  "
-                     f"{shape}  {holder['kind']}{pending}")
+                     f"{shape}  {holder['kind']}{pending}{made}")
     if answer.get("count", 0) > SHOWN:
         lines.append(f"  ... and {answer['count'] - SHOWN} smaller")
     totals = answer.get("totals", {})

@@ -14,15 +14,25 @@ tiles (``padded``): the last two dimensions to (8·4/itemsize, 128), a
 vector as one row of them. The simulation counts the padded size against
 its limit (simulate/memory.py); the views show both.
 
+An unnamed tensor is told by where it was made: torch_xla numbers its
+tensors in the order it makes them, and its ``CreateXlaTensor`` counter is
+the last number given. ``mark`` notes that counter at each sync the
+simulation sees (simulate/memory.py) and at each cell's end (serve.py): a
+tensor's number then falls between two marks, which say the cell and the
+sync line that computed it (``made``). About a microsecond a mark.
+
 ``explain`` turns a device out-of-memory error into the text shown under
 the cell: the holders, the totals by kind, what dominates and what to do.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
+import linecache
 import math
 import re
+import threading
 import types
 from typing import Any, Iterator
 
@@ -273,6 +283,68 @@ class _Count:
                 self.value(item, depth + 1)
 
 
+# --- where a tensor was made ------------------------------------------------------------
+
+MARKS_KEPT = 4096  # past this, the middle marks go (the oldest name long-kept tensors, the newest the last steps)
+_marks: list[tuple[int, str | None, int | None]] = []  # (last tensor number before it, cell filename, sync line)
+_marks_lock = threading.Lock()  # the cell's thread marks, the sampler's thread reads
+_counter: Any = None  # torch_xla._XLAC._xla_counter_value, once bound
+_synced = False  # whether a sync was marked (the simulation's): else marks are the cells' ends only
+
+
+def _made_so_far() -> int | None:
+    """torch_xla's number of the last tensor it made (its CreateXlaTensor counter); None where unreadable."""
+    global _counter
+    try:
+        if _counter is None:
+            import torch_xla
+
+            _counter = torch_xla._XLAC._xla_counter_value
+        return int(_counter("CreateXlaTensor") or 0)
+    except Exception:
+        return None
+
+
+def mark(filename: str | None, line: int | None = None) -> None:
+    """The tensors made since the last mark were made in cell ``filename``, computed by the sync at ``line``
+    (None: the cell's end, a sync or none later)."""
+    global _synced
+    number = _made_so_far()
+    if number is None:
+        return
+    _synced = _synced or line is not None
+    with _marks_lock:
+        if _marks and _marks[-1][0] == number:
+            return  # nothing made since the last mark
+        if _marks and _marks[-1][1:] == (filename, line):
+            _marks[-1] = (number, filename, line)  # the same sync again (a loop): one span
+            return
+        _marks.append((number, filename, line))
+        if len(_marks) > MARKS_KEPT:
+            start, end = MARKS_KEPT // 4, MARKS_KEPT // 2
+            _marks[start:end] = [(_marks[end - 1][0], None, None)]  # those tensors' place is not known any more
+
+
+def made(number: int) -> str | None:
+    """Where the tensor numbered ``number`` was made, in words: ``made in cell 4, computed at line 12:
+    torch_xla.sync()``, ``made in cell 4``, ``made since the last sync``; None where it is not known."""
+    with _marks_lock:
+        at = bisect.bisect_left(_marks, (number,))
+        if at == len(_marks):
+            if not _marks:
+                return None
+            return "made since the last sync" if _synced else "made since the last cell ended"
+        _number, filename, line = _marks[at]
+    if filename is None:
+        return None
+    found = re.match(r"<xla_spawn cell (\d+)>", filename)
+    cell = f"cell {found.group(1)}" if found else filename
+    if line is None:
+        return f"made in {cell}"
+    code = linecache.getline(filename, line).strip()
+    return f"made in {cell}, computed at line {line}" + (f": {code}" if code else "")
+
+
 def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
             everything: bool = False) -> list[dict[str, Any]]:
     """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
@@ -285,11 +357,15 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
             if _is_xla(value) and _tensor_id(value) not in walk.found:
                 walk.tensor(value, "unnamed", "other")
     found = []
-    for value, name, kind in walk.found.values():
+    for key, (value, name, kind) in walk.found.items():
         shape = tuple(value.shape)
         itemsize = value.element_size()
         found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
                       "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value})
+        if name == "unnamed" and key > 0:  # (a negative key: no torch_xla number)
+            where = made(key)
+            if where:
+                found[-1]["made"] = where
     _mark_pending(found)
     found.sort(key=lambda holder: -holder["padded"])
     return found
@@ -399,7 +475,7 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
         frame = tb.tb_frame
         tb = tb.tb_next
     try:
-        found = holders(namespace, frame)
+        found = holders(namespace, frame, everything=True)  # unnamed tensors too, with where they were made
     except Exception as broken:
         return f"\nDevice memory on rank {rank}: the holders could not be read ({type(broken).__name__}: {broken})."
     sums = totals(found)
@@ -408,8 +484,9 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
     temporaries = int(exc.temporaries or 0) if simulated else _asked(str(exc))  # type: ignore[attr-defined]
     lines = ["", f"Device memory on rank {rank} when it ran out (as %xla_memory names it):"]
     for holder in [h for h in found if not h.get("pending")][:SHOWN]:
+        made = f", {holder['made']}" if holder.get("made") else ""
         lines.append(f"  {human(holder['padded']):>9}  {holder['name']}  {holder['dtype']}{holder['shape']}  "
-                     f"({holder['kind']})")
+                     f"({holder['kind']}{made})")
     needed = "the graph's temporaries" if simulated else "asked for"
     lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
                  + (f", {needed} {human(temporaries)}" if temporaries else ""))

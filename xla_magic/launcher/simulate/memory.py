@@ -13,7 +13,9 @@ call it) the rank counts what holds its device: the XLA tensors the user
 can name (launcher/memory.py: the namespace and the cell's frames),
 padded to TPU tiles, plus the temporaries of the graph that the sync ran,
 from torch_xla's compilation analysis (xla_analysis.py; remembered by the
-line that synced, since a cached graph is not analysed again). Past the
+line that synced, since a cached graph is not analysed again). Before it
+syncs, it marks where the tensors made since were made (memory.mark), for
+%xla_memory's unnamed tensors. Past the
 limit, the sync raises RuntimeError with the TPU runtime's wording. The
 figures answer ``xm.get_memory_info`` (``torch_xla._XLAC._xla_memory_info``).
 
@@ -146,11 +148,14 @@ def memory_info(device: Any = None) -> dict[str, int]:
 
 def _counted_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     def sync(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
         current = _book
-        if current is not None:
-            caller = _callers_frame(sys._getframe(1))
-            current.after_sync((caller.f_code.co_filename, caller.f_lineno), caller)
+        if current is None:
+            return original(*args, **kwargs)
+        caller = _callers_frame(sys._getframe(1))
+        where = (caller.f_code.co_filename, caller.f_lineno)
+        memory.mark(*where)  # the tensors made since the last mark: this sync computes them
+        result = original(*args, **kwargs)
+        current.after_sync(where, caller)
         return result
 
     sync.__name__ = sync.__qualname__ = original.__name__
