@@ -3,6 +3,8 @@ xm.get_memory_info in a cell, RESOURCE_EXHAUSTED with the TPU's wording, %xla_me
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
@@ -234,6 +236,9 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
         "%xla_memory --rank 0",
         "%%xla_spawn\nhuge = torch.ones(1024, 1024, device=device) + weights.sum()\ntorch_xla.sync()",
         "%%xla_spawn\ndel huge\ntorch_xla.sync()\nxm.get_memory_info(device)['bytes_used']",
+        # one graph too big for the device: its temporaries (two 640x640 products) and its argument, 4.69M of 4M
+        "%%xla_spawn\nm = torch.randn(640, 640, device=device)\ntorch_xla.sync()\n"
+        "s = ((m @ m).relu() @ m).sum()\ntorch_xla.sync()",
         "%xla_pool stop",
     ), XLA_MAGIC_SIM_HBM="4M")
     cells = nb.cells
@@ -247,3 +252,14 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
     assert "Most of it: tensors left from earlier cells (huge, weights)." in error, error
     assert "What to do: del the names listed above" in error and "xla_magic/launcher" not in error, error
     assert "[65536, 65536]" in text_of(cells[5])  # the pool kept its ranks and their names
+    # refused at compile, in the TPU compiler's words, its largest allocations mapped to the cell's line
+    error = shown_error(cells[6])
+    assert "RuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space " \
+           "hbm. Used 4.69M of 4.00M hbm. Exceeded hbm capacity by " in error, error
+    assert "Largest program allocations in hbm:" in error and "Allocation type: HLO temp" in error
+    assert 'Operator: op_name="s" source_file="<xla_spawn cell ' in error, error
+    assert "The compiler's largest allocations for the graph, at the cell's lines:" in error
+    assert re.search(r"\[rank 0\] +3\.13M  line 4: torch_xla\.sync\(\)  temporaries  \(HLO temp\)\n", error), error
+    assert re.search(r"\[rank 0\] +4B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
+    assert "Most of it: the graph's temporaries and activations." in error
+    assert "What to do: " in error and "gradient checkpointing" in error, error

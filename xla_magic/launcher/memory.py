@@ -325,6 +325,14 @@ def mark(filename: str | None, line: int | None = None) -> None:
             _marks[start:end] = [(_marks[end - 1][0], None, None)]  # those tensors' place is not known any more
 
 
+def last_span() -> tuple[int, int]:
+    """The tensor numbers the last mark covers, (after, up to]: at a sync, the tensors it computes."""
+    with _marks_lock:
+        if not _marks:
+            return (0, 0)
+        return (_marks[-2][0] if len(_marks) > 1 else 0, _marks[-1][0])
+
+
 def made(number: int) -> str | None:
     """Where the tensor numbered ``number`` was made, in words: ``made in cell 4, computed at line 12:
     torch_xla.sync()``, ``made in cell 4``, ``made since the last sync``; None where it is not known."""
@@ -361,7 +369,8 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
         shape = tuple(value.shape)
         itemsize = value.element_size()
         found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
-                      "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value})
+                      "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value,
+                      "number": key})
         if name == "unnamed" and key > 0:  # (a negative key: no torch_xla number)
             where = made(key)
             if where:
@@ -398,7 +407,8 @@ def sample(namespace: dict[str, Any], frame: types.FrameType | None = None, ever
     figures; ``everything``: unnamed tensors too (a walk over every object the garbage collector tracks)."""
     found = holders(namespace, frame, everything)
     answer: dict[str, Any] = {
-        "holders": [{key: value for key, value in holder.items() if key != "tensor"} for holder in found[:limit]],
+        "holders": [{key: value for key, value in holder.items() if key not in ("tensor", "number")}
+                    for holder in found[:limit]],
         "count": len(found),
         "totals": totals(found),
         "device": device_figures(),
@@ -448,6 +458,55 @@ def _asked(message: str) -> int:
     return int(float(found["number"]) * scale)
 
 
+_ALLOCATION = re.compile(r"^\s*\d+\. Size: (?P<size>[0-9.]+[KMGT]?)B?\s*$")
+_FIELD = re.compile(r"^\s*(?P<field>Operator|Shape|Allocation type): (?P<value>.*)$")
+_HLO_TEMP = re.compile(r"^\s*HLO temp\s+(?P<size>[0-9.]+[KMGT]?)", re.MULTILINE)
+
+
+def _bytes(text: str) -> int:
+    """XLA's 196.00M, 1.50G, 512B (or 512) as bytes."""
+    found = re.match(r"(?P<number>[0-9.]+)(?P<unit>[KMGT]?)", text)
+    if found is None:
+        return 0
+    return int(float(found["number"]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found["unit"]])
+
+
+def compile_allocations(message: str, running: str | None) -> tuple[list[tuple[int, str, str, str, str]], int] | None:
+    """A TPU compiler's "Ran out of memory in memory space hbm" message (or the simulation's, in its words):
+    its largest program allocations as (bytes, where in the cell, operator, shape, allocation type), and its HLO
+    temporaries' bytes; None for any other message. ``running``: the failing cell's filename (its lines are
+    named by number alone)."""
+    if "Ran out of memory in memory space" not in message:
+        return None
+    allocations: list[dict[str, str]] = []
+    for raw in message.splitlines():
+        size = _ALLOCATION.match(raw)
+        if size:
+            allocations.append({"size": size["size"]})
+            continue
+        field = _FIELD.match(raw)
+        if field and allocations:
+            allocations[-1][field["field"]] = field["value"].strip()
+    found = []
+    for allocation in allocations:
+        operator = allocation.get("Operator", "")
+        name = re.search(r'op_name="(?P<name>[^"]*)"', operator)
+        source = re.search(r'source_file="(?P<file>[^"]*)" source_line=(?P<line>\d+)', operator)
+        where = "(no source line)"
+        if source:
+            filename, line = source["file"], int(source["line"])
+            cell = re.match(r"<xla_spawn cell (\d+)>", filename)
+            code = linecache.getline(filename, line).strip()
+            where = (f"line {line}" if filename == running else f"cell {cell.group(1)} line {line}" if cell
+                     else f"{filename.rsplit('/', 1)[-1]}:{line}") + (f": {code}" if code else "")
+        shape = re.sub(r"\{.*\}$", "", allocation.get("Shape", ""))
+        found.append((_bytes(allocation["size"]), where, name["name"] if name else operator or "an operation", shape,
+                      allocation.get("Allocation type", "program")))
+    hlo_temp = _HLO_TEMP.search(message)
+    temporaries = _bytes(hlo_temp["size"]) if hlo_temp else sum(size for size, *_rest, kind in found if kind == "HLO temp")
+    return found, temporaries
+
+
 def dominant(sums: dict[str, int], temporaries: int) -> str:
     """What fills the device: "weights" (parameters, gradients and optimizer state), "temporaries", or "leftovers"."""
     weights = sums["parameters"] + sums["gradients"] + sums["optimizer state"]
@@ -471,8 +530,11 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
         return ""
     tb = exc.__traceback__
     frame = None
+    cell = None  # the failing cell's file, where its innermost frame is
     while tb is not None:
         frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith("<xla_"):
+            cell = frame.f_code.co_filename
         tb = tb.tb_next
     try:
         found = holders(namespace, frame, everything=True)  # unnamed tensors too, with where they were made
@@ -487,7 +549,14 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
         made = f", {holder['made']}" if holder.get("made") else ""
         lines.append(f"  {human(holder['padded']):>9}  {holder['name']}  {holder['dtype']}{holder['shape']}  "
                      f"({holder['kind']}{made})")
-    needed = "the graph's temporaries" if simulated else "asked for"
+    compiled = compile_allocations(str(exc), cell)
+    if compiled is not None:  # the compiler refused the graph: its largest allocations, at the cell's lines
+        allocations, hlo_temp = compiled
+        temporaries = temporaries if simulated else hlo_temp
+        lines.append("The compiler's largest allocations for the graph, at the cell's lines:")
+        for size, where, operator, shape, kind in allocations[:SHOWN]:
+            lines.append(f"  {human(size):>9}  {where}  {operator}{'  ' + shape if shape else ''}  ({kind})")
+    needed = "the graph's temporaries" if simulated or compiled is not None else "asked for"
     lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
                  + (f", {needed} {human(temporaries)}" if temporaries else ""))
     if sum(sums.values()) + temporaries:  # nothing held and nothing asked: no guess at what dominates
