@@ -226,6 +226,45 @@ def test_an_oom_with_a_model_and_adam_advises_bfloat16_and_fsdp(ip, small_pool):
     assert "What to do: load the model in bfloat16" in text and "FSDPv2" in text
 
 
+# A TPU compiler's refusal as XLA:TPU writes it (its layout as quoted in google/trax#1343 and
+# tensorflow/tensor2tensor#1382), its allocation's source_file the failing cell, as torch_xla's metadata sets it.
+TPU_COMPILE_OOM = """
+import sys
+here = sys._getframe().f_code.co_filename
+logits = 'the line whose operation the compiler names'
+message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+           "Used 20.72G of 15.48G hbm. Exceeded hbm capacity by 5.24G.\\n\\n"
+           "Total hbm usage >= 20.72G:\\n    reserved        530.00M \\n    program           5.10G \\n"
+           "    arguments        15.10G \\n\\nOutput size 15.10G; shares 15.10G with arguments.\\n\\n"
+           "Program hbm requirement 5.10G:\\n    global           132.0K\\n"
+           "    HLO temp          5.10G (100.0% utilization: Unpadded (4.91G) Padded (4.91G), 3.7% fragmentation)\\n\\n"
+           "  Largest program allocations in hbm:\\n\\n"
+           "  1. Size: 1.53G\\n"
+           f'     Operator: op_type="aten__mm" op_name="aten__mm.3/aten__mm" source_file="{here}" source_line=4\\n'
+           "     Shape: f32[8,1024,50257]{2,1,0:T(8,128)}\\n     Unpadded size: 1.53G\\n"
+           "     XLA label: %fusion.12 = f32[8,1024,50257]{2,1,0:T(8,128)} fusion(...)\\n"
+           "     Allocation type: HLO temp\\n     ==========================\\n\\n"
+           "  2. Size: 512.00M\\n     Operator: op_name=\\"DUMMY_47\\"\\n     Shape: bf16[16,12,512,512]{3,2,1,0:T(8,128)(2,1)}\\n"
+           "     Unpadded size: 512.00M\\n     Allocation type: HLO temp\\n     ==========================\\n")
+raise RuntimeError(message)
+"""
+
+
+def test_a_tpu_compilers_out_of_memory_is_mapped_to_the_cells_lines(spawn):
+    with pytest.raises(RankError) as failed:
+        spawn("--devices 2", TPU_COMPILE_OOM)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "The compiler's largest allocations for the graph, at the cell's lines:" in text, text
+    assert ("1.53G  line 4: logits = 'the line whose operation the compiler names'  aten__mm.3/aten__mm  "
+            "f32[8,1024,50257]  (HLO temp)") in text, text
+    assert "512.00M  (no source line)  DUMMY_47  bf16[16,12,512,512]  (HLO temp)" in text, text
+    assert "the graph's temporaries 5.10G" in text and "Most of it: the graph's temporaries and activations." in text
+    assert "What to do: use a smaller batch, or gradient checkpointing" in text, text
+    # the other rank's failure, in one line
+    assert "... ranks 1 failed the same way (RuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. " \
+           "Ran out of memory in memory space hbm. Used 20.72G of 15.48G hbm. Exceeded hbm capacity by 5.24G.)" in text
+
+
 def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept():
     """Through a Jupyter kernel (nbclient): get_memory_info, %xla_memory, an OOM under its cell, the next cell."""
     nb = execute(notebook(
@@ -263,3 +302,30 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
     assert re.search(r"\[rank 0\] +4B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
     assert "Most of it: the graph's temporaries and activations." in error
     assert "What to do: " in error and "gradient checkpointing" in error, error
+
+
+def test_on_the_tpu_path_the_views_use_the_runtimes_figures(ip):
+    """On a fake v5e host (tests/fake_tpu_host.py) the runtime's memory call is libtpu's (1 MiB used, peak 2 MiB,
+    of 16 GiB): get_memory_info, the line under the cell, %xla_status and %xla_memory show those, not a count."""
+    from fake_tpu_host import fake_tpu_host
+
+    with fake_tpu_host(ip, "v5litepod-1"):
+        pool_magic(ip, "start --devices 1")
+        try:
+            with capture_output() as shown:
+                value = ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla, torch_xla.core.xla_model as xm\n"
+                                                            "x = torch.ones(256, 256, device=device)\ntorch_xla.sync()\n"
+                                                            "xm.get_memory_info(device)")
+            assert value == [{"bytes_used": 1 << 20, "bytes_limit": 16 << 30, "peak_bytes_used": 2 << 20}]
+            # the simulation would have counted x: 256.0 KiB
+            assert [line for line in shown.stdout.splitlines() if line.startswith("XLA:")] == \
+                ["XLA: peak memory 1.0 MiB"], shown.stdout
+            with capture_output() as status:
+                ip.run_line_magic("xla_status", "--text")
+            assert "1.0 MiB of 16.0 GiB, peak 2.0 MiB (1.0 MiB in the cell)" in status.stdout, status.stdout
+            with capture_output() as held:
+                ip.run_line_magic("xla_memory", "")
+            assert held.stdout.startswith("Device memory of rank 0: 1.00M used of 16.00G, peak 2.00M\n"), held.stdout
+            assert "  x  float32[256, 256]  other" in held.stdout
+        finally:
+            pool_magic(ip, "stop")
