@@ -113,16 +113,22 @@ def report(pool: Any, history: list[Any], rank: int | None) -> list[str]:
     if pool is None:
         raise UsageError("no pool is running: %xla_memory asks a pool's ranks what holds their device memory; "
                          "start one with %xla_pool start [--devices N]")
-    if not hasattr(pool, "ranks") or not hasattr(pool.ranks, "samplers"):
-        raise UsageError("%xla_memory asks the ranks of a pool on this host; a pool across hosts does not answer it yet")
+    across_hosts = not (hasattr(pool, "ranks") and hasattr(pool.ranks, "samplers"))  # asked through each host's engine
     size = pool.world_size
     if rank is not None and not 0 <= rank < size:
         raise UsageError(f"--rank must be between 0 and {size - 1} (the pool has {size} ranks)")
     if pool.state not in ("ready", "running"):
         raise UsageError(f"the pool is {pool.state}, so its ranks cannot answer: %xla_pool restart starts it anew")
+    if across_hosts and pool.state == "running":
+        raise UsageError("a pool across hosts answers %xla_memory between cells (its hosts' engines run the cell "
+                         "now): ask again when the cell has finished")
     wanted = [rank] if rank is not None else list(range(1 if pool.one_value else size))
     shown = rank if rank is not None else wanted[0]
-    answers = ask(pool, wanted, shown)
+    if across_hosts:
+        found = pool.memory_now(shown)
+        answers = {asked: found.get(asked) or {"unanswered": "its host's pool did not answer"} for asked in wanted}
+    else:
+        answers = ask(pool, wanted, shown)
     lines = _rank_lines(shown, answers[shown], pool.label(shown))
     graph = largest_graph(history, shown)
     if graph is not None:
