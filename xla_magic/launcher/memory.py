@@ -32,6 +32,7 @@ import gc
 import linecache
 import math
 import re
+import sys
 import threading
 import types
 from typing import Any, Iterator
@@ -295,6 +296,8 @@ _synced = False  # whether a sync was marked (the simulation's): else marks are 
 def _made_so_far() -> int | None:
     """torch_xla's number of the last tensor it made (its CreateXlaTensor counter); None where unreadable."""
     global _counter
+    if _counter is None and "torch_xla" not in sys.modules:
+        return None  # a rank that has not imported it yet made no tensor (and must not pay for the import here)
     try:
         if _counter is None:
             import torch_xla
