@@ -6,7 +6,9 @@ Runs under benchmarks/run.py (``python benchmarks/run.py memory``, ``make bench`
 ``torch_xla.sync`` (launcher/simulate/memory.py). On a pool of STEP_RANKS ranks, one
 cell runs a small model's training step (forward, backward, Adam's step,
 ``torch_xla.sync()``) STEPS times, alternating step by step between the count on
-and off (the simulation's book set aside: its sync wrapper returns at once), so
+and off (the simulation's book set aside: its sync wrapper returns at once; on, it
+also notes torch_xla's tensor counter for unnamed tensors' places and checks a
+compiled graph's needs against the limit), so
 both sides see the same machine load; the figure is each side's median step, the
 median over the ranks. The target: on/off at
 most 1.03. (Pools started with ``XLA_MAGIC_SIM_HBM=off`` differ also in having no

@@ -162,3 +162,20 @@ def test_what_xla_did_on_every_host_is_told_under_the_cell_and_by_xla_report(ip,
         ip.run_cell_magic("xla_spawn", "--xla-report off", cell)
     assert "XLA" not in shown.stdout and all(state.xla is None
                                               for state in ip._xla_magic_session.last_cell.ranks.values())
+
+
+def test_xla_memory_asks_every_host_s_ranks_between_cells(ip, pool):
+    """Each host's engine asks its own ranks; the answers come back by global rank, each under its own tag."""
+    with capture_output():
+        ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\n"
+                                            "held = torch.ones(16 * (rank + 1), 128, device=device)\ntorch_xla.sync()")
+    with capture_output() as one:
+        ip.run_line_magic("xla_memory", "--rank 3")
+    assert one.stdout.startswith("Device memory of h1 r3: 32.00K used of 16.00G"), one.stdout
+    assert "  held  float32[64, 128]  other" in one.stdout, one.stdout
+    with capture_output() as every:
+        ip.run_line_magic("xla_memory", "")
+    assert every.stdout.startswith("Device memory of h0 r0: 8.00K used of 16.00G"), every.stdout
+    for rank in range(4):
+        assert f"\n  h{rank // 2} r{rank}: {8 * (rank + 1)}.00K of 16.00G used; " in every.stdout, every.stdout
+

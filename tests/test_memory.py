@@ -3,6 +3,8 @@ xm.get_memory_info in a cell, RESOURCE_EXHAUSTED with the TPU's wording, %xla_me
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
@@ -40,17 +42,20 @@ def test_get_memory_info_in_a_cell_counts_what_the_cell_holds(spawn, pool):
 
 def test_past_a_small_limit_the_sync_raises_the_tpus_words_and_the_pool_survives(ip, small_pool):
     cell = ("import torch, torch_xla\n"
-            "keep = torch.ones(256, 256, device=device)\n"
+            "keep, hidden = torch.ones(256, 256, device=device), (lambda t: lambda: t)(torch.ones(8, 128, device=device))\n"
             "torch_xla.sync()\n"
-            "big = torch.ones(512, 512, device=device) + keep.sum()\n"
+            "big = torch.ones(520, 384, device=device)\n"  # a graph the device holds alone, not with keep
             "torch_xla.sync()\n")
     with capture_output() as shown, pytest.raises(RankError) as failed:
         ip.run_cell_magic("xla_spawn", "", cell)
     text = strip_ansi("\n".join(failed.value.render_lines()))
-    assert "RuntimeError: RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 1.00M. " \
-           "That was not possible. There are 768.00K free." in text
+    assert "RuntimeError: RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 780.00K. " \
+           "That was not possible. There are 768.00K free." in text, text
     assert "line 5" in text and "torch_xla.sync()" in text
-    assert "keep  float32[256, 256]  (other)" in text and "big  float32[512, 512]" in text
+    assert "keep  float32[256, 256]  (other)" in text and "big  float32[520, 384]" in text
+    # a tensor no name reaches (a closure holds it) is told by its shape and where it was made
+    run_id = ip._xla_magic_session.history[-1].run_id
+    assert f"unnamed  float32[8, 128]  (other, made in cell {run_id}, computed at line 3: torch_xla.sync())" in text
     assert "Most of it: tensors left from earlier cells (big, keep)." in text
     assert "The rank survived it" in text
     assert "What to do:" in text and "del" in text
@@ -123,6 +128,21 @@ def test_xla_memory_reads_without_a_sync_or_a_compile(ip, spawn, pool):
     assert [state.xla for state in record.ranks.values()] == [None, None]  # XLA did nothing in the cell
 
 
+def test_xla_memory_says_where_each_unnamed_tensor_was_made(ip, spawn, pool):
+    """Tensors no name reaches (held by closures): the cell and the sync line that computed each, or the cell."""
+    spawn("", "import torch, torch_xla\n"
+              "def keep(rows):\n    held = [torch.ones(rows, 40, device=device)]\n    return lambda: held\n"
+              "first = keep(24)\n"
+              "torch_xla.sync()\n"
+              "second = keep(16)\n")
+    run_id = ip._xla_magic_session.history[-1].run_id
+    with capture_output() as shown:
+        ip.run_line_magic("xla_memory", "--rank 1")
+    text = shown.stdout
+    assert f"  unnamed  float32[24, 40]  other  (made in cell {run_id}, computed at line 6: torch_xla.sync())" in text
+    assert f"  unnamed  float32[16, 40]  other  (not computed yet: no buffer)  (made in cell {run_id})" in text, text
+
+
 @pytest.mark.parametrize("line, message", [
     ("--rank 2", r"--rank must be between 0 and 1 \(the pool has 2 ranks\)"),
     ("--rank -1", "--rank"),
@@ -143,7 +163,7 @@ def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, 
         ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\nx = torch.ones(225, 1024, device=device)\n"
                                             "torch_xla.sync()")
     said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
-    assert said == ["XLA: peak device memory 928.00K per rank (90% of rank 0's 1.00M: %xla_memory names what holds it)"]
+    assert said == ["XLA: peak memory 928.0 KiB (90% of rank 0's 1.0 MiB: %xla_memory names what holds it)"]
     record = ip._xla_magic_session.history[-1]
     for state in record.ranks.values():
         assert state.memory["bytes_used"] == state.memory["cell_peak_bytes"] == 232 * 1024 * 4
@@ -199,11 +219,52 @@ def test_an_oom_with_a_model_and_adam_advises_bfloat16_and_fsdp(ip, small_pool):
     with capture_output(), pytest.raises(RankError) as failed:
         ip.run_cell_magic("xla_spawn", "", cell)
     text = strip_ansi("\n".join(failed.value.render_lines()))
-    assert "RESOURCE_EXHAUSTED: Error allocating device buffer" in text and "line 6" in text
+    # its arguments and outputs alone are more than the device holds: refused when it compiles, as on a TPU
+    assert "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm." in text, text
+    assert "line 6" in text
     assert "model.weight  float32[256, 256]  (parameters)" in text
     assert "opt.state[model.weight].exp_avg_sq  float32[256, 256]  (optimizer state)" in text
     assert "Most of it: parameters, gradients and optimizer state." in text
     assert "What to do: load the model in bfloat16" in text and "FSDPv2" in text
+
+
+# A TPU compiler's refusal as XLA:TPU writes it (its layout as quoted in google/trax#1343 and
+# tensorflow/tensor2tensor#1382), its allocation's source_file the failing cell, as torch_xla's metadata sets it.
+TPU_COMPILE_OOM = """
+import sys
+here = sys._getframe().f_code.co_filename
+logits = 'the line whose operation the compiler names'
+message = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+           "Used 20.72G of 15.48G hbm. Exceeded hbm capacity by 5.24G.\\n\\n"
+           "Total hbm usage >= 20.72G:\\n    reserved        530.00M \\n    program           5.10G \\n"
+           "    arguments        15.10G \\n\\nOutput size 15.10G; shares 15.10G with arguments.\\n\\n"
+           "Program hbm requirement 5.10G:\\n    global           132.0K\\n"
+           "    HLO temp          5.10G (100.0% utilization: Unpadded (4.91G) Padded (4.91G), 3.7% fragmentation)\\n\\n"
+           "  Largest program allocations in hbm:\\n\\n"
+           "  1. Size: 1.53G\\n"
+           f'     Operator: op_type="aten__mm" op_name="aten__mm.3/aten__mm" source_file="{here}" source_line=4\\n'
+           "     Shape: f32[8,1024,50257]{2,1,0:T(8,128)}\\n     Unpadded size: 1.53G\\n"
+           "     XLA label: %fusion.12 = f32[8,1024,50257]{2,1,0:T(8,128)} fusion(...)\\n"
+           "     Allocation type: HLO temp\\n     ==========================\\n\\n"
+           "  2. Size: 512.00M\\n     Operator: op_name=\\"DUMMY_47\\"\\n     Shape: bf16[16,12,512,512]{3,2,1,0:T(8,128)(2,1)}\\n"
+           "     Unpadded size: 512.00M\\n     Allocation type: HLO temp\\n     ==========================\\n")
+raise RuntimeError(message)
+"""
+
+
+def test_a_tpu_compilers_out_of_memory_is_mapped_to_the_cells_lines(spawn):
+    with pytest.raises(RankError) as failed:
+        spawn("--devices 2", TPU_COMPILE_OOM)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "The compiler's largest allocations for the graph, at the cell's lines:" in text, text
+    assert ("1.53G  line 4: logits = 'the line whose operation the compiler names'  aten__mm.3/aten__mm  "
+            "f32[8,1024,50257]  (HLO temp)") in text, text
+    assert "512.00M  (no source line)  DUMMY_47  bf16[16,12,512,512]  (HLO temp)" in text, text
+    assert "the graph's temporaries 5.10G" in text and "Most of it: the graph's temporaries and activations." in text
+    assert "What to do: use a smaller batch, or gradient checkpointing" in text, text
+    # the other rank's failure, in one line
+    assert "... ranks 1 failed the same way (RuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. " \
+           "Ran out of memory in memory space hbm. Used 20.72G of 15.48G hbm. Exceeded hbm capacity by 5.24G.)" in text
 
 
 def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept():
@@ -216,6 +277,9 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
         "%xla_memory --rank 0",
         "%%xla_spawn\nhuge = torch.ones(1024, 1024, device=device) + weights.sum()\ntorch_xla.sync()",
         "%%xla_spawn\ndel huge\ntorch_xla.sync()\nxm.get_memory_info(device)['bytes_used']",
+        # one graph too big for the device: its temporaries (two 640x640 products) and its argument, 4.69M of 4M
+        "%%xla_spawn\nm = torch.randn(640, 640, device=device)\ntorch_xla.sync()\n"
+        "s = ((m @ m).relu() @ m).sum()\ntorch_xla.sync()",
         "%xla_pool stop",
     ), XLA_MAGIC_SIM_HBM="4M")
     cells = nb.cells
@@ -229,3 +293,41 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
     assert "Most of it: tensors left from earlier cells (huge, weights)." in error, error
     assert "What to do: del the names listed above" in error and "xla_magic/launcher" not in error, error
     assert "[65536, 65536]" in text_of(cells[5])  # the pool kept its ranks and their names
+    # refused at compile, in the TPU compiler's words, its largest allocations mapped to the cell's line
+    error = shown_error(cells[6])
+    assert "RuntimeError: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space " \
+           "hbm. Used 4.69M of 4.00M hbm. Exceeded hbm capacity by " in error, error
+    assert "Largest program allocations in hbm:" in error and "Allocation type: HLO temp" in error
+    assert 'Operator: op_name="s" source_file="<xla_spawn cell ' in error, error
+    assert "The compiler's largest allocations for the graph, at the cell's lines:" in error
+    assert re.search(r"\[rank 0\] +3\.13M  line 4: torch_xla\.sync\(\)  temporaries  \(HLO temp\)\n", error), error
+    assert re.search(r"\[rank 0\] +4B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
+    assert "Most of it: the graph's temporaries and activations." in error
+    assert "What to do: " in error and "gradient checkpointing" in error, error
+
+
+def test_on_the_tpu_path_the_views_use_the_runtimes_figures(ip):
+    """On a fake v5e host (tests/fake_tpu_host.py) the runtime's memory call is libtpu's (1 MiB used, peak 2 MiB,
+    of 16 GiB): get_memory_info, the line under the cell, %xla_status and %xla_memory show those, not a count."""
+    from fake_tpu_host import fake_tpu_host
+
+    with fake_tpu_host(ip, "v5litepod-1"):
+        pool_magic(ip, "start --devices 1")
+        try:
+            with capture_output() as shown:
+                value = ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla, torch_xla.core.xla_model as xm\n"
+                                                            "x = torch.ones(256, 256, device=device)\ntorch_xla.sync()\n"
+                                                            "xm.get_memory_info(device)")
+            assert value == [{"bytes_used": 1 << 20, "bytes_limit": 16 << 30, "peak_bytes_used": 2 << 20}]
+            # the simulation would have counted x: 256.0 KiB
+            assert [line for line in shown.stdout.splitlines() if line.startswith("XLA:")] == \
+                ["XLA: peak memory 1.0 MiB"], shown.stdout
+            with capture_output() as status:
+                ip.run_line_magic("xla_status", "--text")
+            assert "1.0 MiB of 16.0 GiB, peak 2.0 MiB (1.0 MiB in the cell)" in status.stdout, status.stdout
+            with capture_output() as held:
+                ip.run_line_magic("xla_memory", "")
+            assert held.stdout.startswith("Device memory of rank 0: 1.00M used of 16.00G, peak 2.00M\n"), held.stdout
+            assert "  x  float32[256, 256]  other" in held.stdout
+        finally:
+            pool_magic(ip, "stop")

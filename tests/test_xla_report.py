@@ -118,7 +118,9 @@ def test_a_pool_cell_run_twice_compiles_nothing_the_second_time_and_new_shapes_a
         got = account(ip, rank)
         assert got["compiles"] == own["compiles"] == 0
         assert got["cached"] >= 1 and got["executions"] >= 1
-    assert xla_lines(second.stdout) == []  # nothing deserves a look
+    # nothing deserves a look: the line says only the ranks' peak device memory, which they agree on
+    assert [re.sub(r"[0-9.]+ (KiB|MiB)", "<size>", line) for line in xla_lines(second.stdout)] == \
+        ["XLA: peak memory <size>"], second.stdout
     third = spawn("", SHAPED, rows=40)
     assert [account(ip, r)["compiles"] for r in (0, 1)] == [own["compiles"] for own in third.value] == [1, 1]
     [summary] = xla_lines(third.stdout)
@@ -350,6 +352,9 @@ def test_ranks_whose_graphs_differ_in_shape_are_named_and_a_constant_stays_quiet
     [summary] = xla_lines(run.stdout)
     assert (f"ranks differ: rank 1 compiled 1 graph with other shapes (x: {theirs[1]} against {theirs[0]}); "
             f"rank 2 compiled 1 graph with other shapes (x: {theirs[2]} against {theirs[0]}), rank 0 1 graph") in summary
+    # and the peaks, which differ: x pads to 8 rows on ranks 0 and 1, to 16 on rank 2
+    assert summary.endswith("; peak memory 4.0 KiB–8.0 KiB (most on rank 2)"), summary
     run = spawn("--devices 3 --backend cpu", RANK_CONSTANT)
     assert len({account(ip, r)["compilations"][-1]["hash"] for r in range(3)}) == 3  # three graphs, ...
-    assert xla_lines(run.stdout) == []  # ... told apart only by a constant: harmless
+    # ... told apart only by a constant: harmless, so the line says only the peak (the same tensors on every rank)
+    assert xla_lines(run.stdout) == ["XLA: peak memory 4.0 KiB"], run.stdout

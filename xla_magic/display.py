@@ -322,7 +322,9 @@ class RankFailure:
     exit_code: int | None = None
 
     def headline(self) -> str:
-        return f"{self.type}: {self.message}" if self.message else self.type
+        """The error in one line: its type and its message's first line (a TPU compiler's runs on for pages)."""
+        first = next((line for line in self.message.splitlines() if line.strip()), "") if self.message else ""
+        return f"{self.type}: {first}" if first else self.type
 
 
 class RankError(Exception):

@@ -234,9 +234,10 @@ class XlaMagics(Magics):
 
         Each rank's live XLA tensors by size (a notebook variable, a module's
         ``model.layers.3.weight``, ``opt.state[...].exp_avg``, or
-        "unnamed"), totals by kind, the device's used, limit and peak, and
-        the largest compiled graph's own needs. Read without a sync or a
-        compile, between cells or while one runs. See the docs' "Device memory".
+        "unnamed" with the cell and sync line that made it), totals by kind,
+        the device's used, limit and peak, and the largest compiled graph's
+        own needs. Read without a sync or a compile, between cells or while
+        one runs (across hosts: between cells). See the docs' "Device memory".
         """
         args = parse_argstring(self.xla_memory, line)
         for text in memory_view.report(self.session.current_pool(), self.session.history, args.rank):

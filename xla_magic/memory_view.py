@@ -113,16 +113,22 @@ def report(pool: Any, history: list[Any], rank: int | None) -> list[str]:
     if pool is None:
         raise UsageError("no pool is running: %xla_memory asks a pool's ranks what holds their device memory; "
                          "start one with %xla_pool start [--devices N]")
-    if not hasattr(pool, "ranks") or not hasattr(pool.ranks, "samplers"):
-        raise UsageError("%xla_memory asks the ranks of a pool on this host; a pool across hosts does not answer it yet")
+    across_hosts = not (hasattr(pool, "ranks") and hasattr(pool.ranks, "samplers"))  # asked through each host's engine
     size = pool.world_size
     if rank is not None and not 0 <= rank < size:
         raise UsageError(f"--rank must be between 0 and {size - 1} (the pool has {size} ranks)")
     if pool.state not in ("ready", "running"):
         raise UsageError(f"the pool is {pool.state}, so its ranks cannot answer: %xla_pool restart starts it anew")
+    if across_hosts and pool.state == "running":
+        raise UsageError("a pool across hosts answers %xla_memory between cells (its hosts' engines run the cell "
+                         "now): ask again when the cell has finished")
     wanted = [rank] if rank is not None else list(range(1 if pool.one_value else size))
     shown = rank if rank is not None else wanted[0]
-    answers = ask(pool, wanted, shown)
+    if across_hosts:
+        found = pool.memory_now(shown)
+        answers = {asked: found.get(asked) or {"unanswered": "its host's pool did not answer"} for asked in wanted}
+    else:
+        answers = ask(pool, wanted, shown)
     lines = _rank_lines(shown, answers[shown], pool.label(shown))
     graph = largest_graph(history, shown)
     if graph is not None:
@@ -153,8 +159,9 @@ def _rank_lines(rank: int, answer: dict[str, Any], label: str) -> list[str]:
     for holder in holders[:SHOWN]:
         shape = f"{holder['dtype']}[{', '.join(map(str, holder['shape']))}]"
         pending = "  (not computed yet: no buffer)" if holder.get("pending") else ""
+        made = f"  ({holder['made']})" if holder.get("made") else ""  # an unnamed tensor's cell and sync line
         lines.append(f"  {human(holder['bytes']):>9} {human(holder['padded']):>9} on a TPU  {holder['name']}  "
-                     f"{shape}  {holder['kind']}{pending}")
+                     f"{shape}  {holder['kind']}{pending}{made}")
     if answer.get("count", 0) > SHOWN:
         lines.append(f"  ... and {answer['count'] - SHOWN} smaller")
     totals = answer.get("totals", {})
@@ -173,7 +180,17 @@ def _one_line(label: str, answer: dict[str, Any]) -> str:
 
 # --- the line under the cell ----------------------------------------------------------------
 
-NEAR_LIMIT = 0.8  # a cell whose peak passes this share of a device's limit says so under the cell
+NEAR_LIMIT = 0.8  # a cell whose peak passes this share of a device's limit says so even if XLA did nothing in it
+
+
+def compact(size: float) -> str:
+    """Bytes in binary units with one decimal, as the panel writes them: 928.0 KiB, 1.2 GiB, 512 B."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def cell_peaks(record: Any) -> dict[int, tuple[int, int]]:
@@ -186,18 +203,26 @@ def cell_peaks(record: Any) -> dict[int, tuple[int, int]]:
     return peaks
 
 
-def peak_finding(record: Any) -> str | None:
-    """``peak device memory 950.00K per rank (90% of rank 0's 1.00M ...)`` for the line under the cell, when a
-    rank's peak during the cell came within NEAR_LIMIT of its device's limit; None otherwise (a quiet line)."""
-    peaks = cell_peaks(record)
-    near = [rank for rank, (peak, limit) in peaks.items() if limit and peak >= NEAR_LIMIT * limit]
-    if not near:
+def peak_finding(record: Any, always: bool = True) -> str | None:
+    """The ranks' peak during the cell for the line under it: ``peak memory 928.0 KiB`` when they agree, else
+    ``peak memory 512.0 KiB–928.0 KiB (most on rank 1)``, and the share of the limit of a rank that came within
+    NEAR_LIMIT of it. None where no rank used device memory, or (``always`` False: a cell in which XLA did
+    nothing) where none came near its limit."""
+    peaks = {rank: figures for rank, figures in cell_peaks(record).items() if figures[0] > 0}
+    if not peaks:
         return None
-    values = {peak for peak, _limit in peaks.values()}
-    if len(values) == 1:
-        text = f"peak device memory {human(values.pop())} per rank"
+    nearest = max(sorted(peaks), key=lambda r: peaks[r][0] / peaks[r][1] if peaks[r][1] else 0.0)
+    peak, limit = peaks[nearest]
+    near = bool(limit) and peak >= NEAR_LIMIT * limit
+    if not (always or near):
+        return None
+    low, high = compact(min(p for p, _l in peaks.values())), compact(max(p for p, _l in peaks.values()))
+    said = []
+    if low == high:
+        text = f"peak memory {high}"
     else:
-        text = "peak device memory " + ", ".join(f"r{rank} {human(peak)}" for rank, (peak, _l) in sorted(peaks.items()))
-    rank = max(near, key=lambda r: peaks[r][0] / peaks[r][1])
-    peak, limit = peaks[rank]
-    return text + f" ({peak * 100 // limit}% of rank {rank}'s {human(limit)}: %xla_memory names what holds it)"
+        text = f"peak memory {low}–{high}"
+        said.append(f"most on rank {max(sorted(peaks), key=lambda r: peaks[r][0])}")
+    if near:
+        said.append(f"{peak * 100 // limit}% of rank {nearest}'s {compact(limit)}: %xla_memory names what holds it")
+    return text + (f" ({'; '.join(said)})" if said else "")

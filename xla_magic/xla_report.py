@@ -4,8 +4,8 @@ Each rank sends its account (launcher/xla_account.py) with its reply; the
 request stores it on the run's record (``RankState.xla``). From the record
 this module makes the one line shown under a cell when something deserves
 a look (recompilations and the line that caused them, device-to-host syncs
-in a loop, CPU fallbacks, long compiles, ranks that differ), and the full
-report: a table in a notebook, text in a terminal.
+in a loop, CPU fallbacks, long compiles, ranks that differ) and, on every
+cell that used device memory, the ranks' peak in it; and the full report: a table in a notebook, text in a terminal.
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ def _story(account: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def summary(record: RunRecord) -> str | None:
-    """The line under the cell, or None when nothing deserves a look."""
+    """The line under the cell: what deserves a look, and the ranks' peak device memory in the cell when XLA
+    worked in it; None when neither."""
     if all(state.xla is None for state in record.ranks.values()):  # the common case, first: nothing happened
-        near = memory_view.peak_finding(record)  # unless a device came near its limit
+        near = memory_view.peak_finding(record, always=False)  # unless a device came near its limit
         return f"XLA: {near}" if near else None
     found = groups(record)
     cell = record.cell
@@ -107,15 +108,13 @@ def summary(record: RunRecord) -> str | None:
     if differ:
         findings.append(differ)
     findings += _cache_loads(account)
-    peak = memory_view.peak_finding(record)
-    if peak:
-        findings.append(peak)
-    if not findings:
+    peak = memory_view.peak_finding(record)  # on every cell that used device memory, last
+    if not findings and not peak:
         return None
     head = ""
     if account["compiles"] > 1 and any("compiled" in finding for finding in findings[:1]):
         head = f"{account['compiles']} compilations ({_seconds(account['compile_seconds'])}) — "
-    return "XLA: " + head + "; ".join(findings)
+    return "XLA: " + head + "; ".join(findings + ([peak] if peak else []))
 
 
 def _cache_loads(account: dict[str, Any]) -> list[str]:

@@ -24,6 +24,11 @@ knows. So:
 - like libtpu, opening a chip that is not on the bus (``TPU_VISIBLE_CHIPS``) or a topology whose
   process count does not match fails when the client is made.
 
+- the runtime's memory call (``_xla_memory_info``, behind ``xm.get_memory_info``) answers what
+  libtpu would report of the chip: its HBM (16 GiB on a v5e, 32 GiB on a v4, from the chips' PCI
+  device id) and a use of its own, ``1 MiB × (task + 1)`` with a peak 1 MiB higher, so a test can tell
+  the runtime's figures from the simulation's count (which counts only on the cpu backend).
+
 Collectives between rank processes do not cross processes here (each client is alone): tests use it
 for topology, numbering, environment and lifetime, not for numerics.
 """
@@ -127,6 +132,22 @@ def _wrap(xlac) -> None:
     answer("_xla_get_all_runtime_devices", lambda t: [f"CPU:{i}" for i in range(t.processes)])
     answer("_xla_get_process_index", lambda t: t.task)
     answer("_xla_get_num_processes", lambda t: t.processes)
+    real["_xla_memory_info"] = xlac._xla_memory_info
+    answer("_xla_memory_info", lambda t, device=None: memory_info(t))
+
+
+HBM = {"0x0063": 16 << 30, "0x005e": 32 << 30}  # a chip's HBM by its PCI device id: v5e, v4
+MIB = 1 << 20
+
+
+def memory_info(topology: Topology) -> dict:
+    """What libtpu reports of this process's chip: its HBM and a use of its own (the docstring says which)."""
+    limit = 16 << 30
+    for device in glob.glob("/sys/bus/pci/devices/*/device"):
+        with open(device) as file:
+            limit = HBM.get(file.read().strip(), limit)
+    used = MIB * (topology.task + 1)
+    return {"bytes_used": used, "bytes_limit": limit, "peak_bytes_used": used + MIB}
 
 
 class _XlacFinder:

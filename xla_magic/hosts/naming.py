@@ -42,6 +42,20 @@ class Numbering:
     def ranks_of(self, host: int) -> list[int]:
         return [self.rank(host, local) for local in range(self.devices)]
 
+    def by_rank(self, calls: list[Any], timeout: float) -> dict[int, dict[str, Any]]:
+        """Each host's answers by local rank (an ipyparallel AsyncResult per host, in host order), by global rank;
+        a host that does not answer within ``timeout`` is said for each of its ranks."""
+        found: dict[int, dict[str, Any]] = {}
+        for index, call in enumerate(calls):
+            try:
+                answers = call.get(timeout)
+            except Exception as exc:  # noqa: BLE001 - a lost engine: say so for its ranks, show the others
+                answers = {local: {"unanswered": f"host h{index} did not answer ({type(exc).__name__})"}
+                           for local in range(self.devices)}
+            for local, answer in answers.items():
+                found[self.rank(index, local)] = answer
+        return found
+
     def label(self, rank: int) -> str:
         """The tag of global ``rank``: ``hH rN``."""
         return tag(self.place(rank)[0], rank)

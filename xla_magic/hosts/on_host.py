@@ -25,7 +25,7 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache
+from xla_magic import compile_cache, memory_view
 from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
@@ -345,6 +345,16 @@ def where_now(everything: bool, with_locals: bool = False) -> dict[int, dict[str
     if pool is None or pool.state != "ready":
         return {}
     return watch.where_now(pool.ranks, everything, with_locals)
+
+
+def memory_now(full: int | None) -> dict[int, dict[str, Any]]:
+    """What holds this host's pool ranks' device memory, by local rank (``%xla_memory`` between cells); local rank
+    ``full`` lists its holders. Empty when its pool does not run."""
+    here = _here
+    pool = here.pool if here is not None else None
+    if pool is None or pool.state != "ready":
+        return {}
+    return memory_view.ask(pool, list(range(pool.world_size)), -1 if full is None else full)
 
 
 def status() -> dict[str, Any]:

@@ -14,15 +14,26 @@ tiles (``padded``): the last two dimensions to (8·4/itemsize, 128), a
 vector as one row of them. The simulation counts the padded size against
 its limit (simulate/memory.py); the views show both.
 
+An unnamed tensor is told by where it was made: torch_xla numbers its
+tensors in the order it makes them, and its ``CreateXlaTensor`` counter is
+the last number given. ``mark`` notes that counter at each sync the
+simulation sees (simulate/memory.py) and at each cell's end (serve.py): a
+tensor's number then falls between two marks, which say the cell and the
+sync line that computed it (``made``). About a microsecond a mark.
+
 ``explain`` turns a device out-of-memory error into the text shown under
 the cell: the holders, the totals by kind, what dominates and what to do.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
+import linecache
 import math
 import re
+import sys
+import threading
 import types
 from typing import Any, Iterator
 
@@ -273,6 +284,78 @@ class _Count:
                 self.value(item, depth + 1)
 
 
+# --- where a tensor was made ------------------------------------------------------------
+
+MARKS_KEPT = 4096  # past this, the middle marks go (the oldest name long-kept tensors, the newest the last steps)
+_marks: list[tuple[int, str | None, int | None]] = []  # (last tensor number before it, cell filename, sync line)
+_marks_lock = threading.Lock()  # the cell's thread marks, the sampler's thread reads
+_counter: Any = None  # torch_xla._XLAC._xla_counter_value, once bound
+_synced = False  # whether a sync was marked (the simulation's): else marks are the cells' ends only
+
+
+def _made_so_far() -> int | None:
+    """torch_xla's number of the last tensor it made (its CreateXlaTensor counter); None where unreadable."""
+    global _counter
+    if _counter is None and "torch_xla" not in sys.modules:
+        return None  # a rank that has not imported it yet made no tensor (and must not pay for the import here)
+    try:
+        if _counter is None:
+            import torch_xla
+
+            _counter = torch_xla._XLAC._xla_counter_value
+        return int(_counter("CreateXlaTensor") or 0)
+    except Exception:
+        return None
+
+
+def mark(filename: str | None, line: int | None = None) -> None:
+    """The tensors made since the last mark were made in cell ``filename``, computed by the sync at ``line``
+    (None: the cell's end, a sync or none later)."""
+    global _synced
+    number = _made_so_far()
+    if number is None:
+        return
+    _synced = _synced or line is not None
+    with _marks_lock:
+        if _marks and _marks[-1][0] == number:
+            return  # nothing made since the last mark
+        if _marks and _marks[-1][1:] == (filename, line):
+            _marks[-1] = (number, filename, line)  # the same sync again (a loop): one span
+            return
+        _marks.append((number, filename, line))
+        if len(_marks) > MARKS_KEPT:
+            start, end = MARKS_KEPT // 4, MARKS_KEPT // 2
+            _marks[start:end] = [(_marks[end - 1][0], None, None)]  # those tensors' place is not known any more
+
+
+def last_span() -> tuple[int, int]:
+    """The tensor numbers the last mark covers, (after, up to]: at a sync, the tensors it computes."""
+    with _marks_lock:
+        if not _marks:
+            return (0, 0)
+        return (_marks[-2][0] if len(_marks) > 1 else 0, _marks[-1][0])
+
+
+def made(number: int) -> str | None:
+    """Where the tensor numbered ``number`` was made, in words: ``made in cell 4, computed at line 12:
+    torch_xla.sync()``, ``made in cell 4``, ``made since the last sync``; None where it is not known."""
+    with _marks_lock:
+        at = bisect.bisect_left(_marks, (number,))
+        if at == len(_marks):
+            if not _marks:
+                return None
+            return "made since the last sync" if _synced else "made since the last cell ended"
+        _number, filename, line = _marks[at]
+    if filename is None:
+        return None
+    found = re.match(r"<xla_spawn cell (\d+)>", filename)
+    cell = f"cell {found.group(1)}" if found else filename
+    if line is None:
+        return f"made in {cell}"
+    code = linecache.getline(filename, line).strip()
+    return f"made in {cell}, computed at line {line}" + (f": {code}" if code else "")
+
+
 def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
             everything: bool = False) -> list[dict[str, Any]]:
     """Every XLA tensor the user can name, largest first, as plain data (``tensor`` holds the tensor itself).
@@ -285,11 +368,16 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
             if _is_xla(value) and _tensor_id(value) not in walk.found:
                 walk.tensor(value, "unnamed", "other")
     found = []
-    for value, name, kind in walk.found.values():
+    for key, (value, name, kind) in walk.found.items():
         shape = tuple(value.shape)
         itemsize = value.element_size()
         found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
-                      "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value})
+                      "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value,
+                      "number": key})
+        if name == "unnamed" and key > 0:  # (a negative key: no torch_xla number)
+            where = made(key)
+            if where:
+                found[-1]["made"] = where
     _mark_pending(found)
     found.sort(key=lambda holder: -holder["padded"])
     return found
@@ -322,7 +410,8 @@ def sample(namespace: dict[str, Any], frame: types.FrameType | None = None, ever
     figures; ``everything``: unnamed tensors too (a walk over every object the garbage collector tracks)."""
     found = holders(namespace, frame, everything)
     answer: dict[str, Any] = {
-        "holders": [{key: value for key, value in holder.items() if key != "tensor"} for holder in found[:limit]],
+        "holders": [{key: value for key, value in holder.items() if key not in ("tensor", "number")}
+                    for holder in found[:limit]],
         "count": len(found),
         "totals": totals(found),
         "device": device_figures(),
@@ -372,6 +461,55 @@ def _asked(message: str) -> int:
     return int(float(found["number"]) * scale)
 
 
+_ALLOCATION = re.compile(r"^\s*\d+\. Size: (?P<size>[0-9.]+[KMGT]?)B?\s*$")
+_FIELD = re.compile(r"^\s*(?P<field>Operator|Shape|Allocation type): (?P<value>.*)$")
+_HLO_TEMP = re.compile(r"^\s*HLO temp\s+(?P<size>[0-9.]+[KMGT]?)", re.MULTILINE)
+
+
+def _bytes(text: str) -> int:
+    """XLA's 196.00M, 1.50G, 512B (or 512) as bytes."""
+    found = re.match(r"(?P<number>[0-9.]+)(?P<unit>[KMGT]?)", text)
+    if found is None:
+        return 0
+    return int(float(found["number"]) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[found["unit"]])
+
+
+def compile_allocations(message: str, running: str | None) -> tuple[list[tuple[int, str, str, str, str]], int] | None:
+    """A TPU compiler's "Ran out of memory in memory space hbm" message (or the simulation's, in its words):
+    its largest program allocations as (bytes, where in the cell, operator, shape, allocation type), and its HLO
+    temporaries' bytes; None for any other message. ``running``: the failing cell's filename (its lines are
+    named by number alone)."""
+    if "Ran out of memory in memory space" not in message:
+        return None
+    allocations: list[dict[str, str]] = []
+    for raw in message.splitlines():
+        size = _ALLOCATION.match(raw)
+        if size:
+            allocations.append({"size": size["size"]})
+            continue
+        field = _FIELD.match(raw)
+        if field and allocations:
+            allocations[-1][field["field"]] = field["value"].strip()
+    found = []
+    for allocation in allocations:
+        operator = allocation.get("Operator", "")
+        name = re.search(r'op_name="(?P<name>[^"]*)"', operator)
+        source = re.search(r'source_file="(?P<file>[^"]*)" source_line=(?P<line>\d+)', operator)
+        where = "(no source line)"
+        if source:
+            filename, line = source["file"], int(source["line"])
+            cell = re.match(r"<xla_spawn cell (\d+)>", filename)
+            code = linecache.getline(filename, line).strip()
+            where = (f"line {line}" if filename == running else f"cell {cell.group(1)} line {line}" if cell
+                     else f"{filename.rsplit('/', 1)[-1]}:{line}") + (f": {code}" if code else "")
+        shape = re.sub(r"\{.*\}$", "", allocation.get("Shape", ""))
+        found.append((_bytes(allocation["size"]), where, name["name"] if name else operator or "an operation", shape,
+                      allocation.get("Allocation type", "program")))
+    hlo_temp = _HLO_TEMP.search(message)
+    temporaries = _bytes(hlo_temp["size"]) if hlo_temp else sum(size for size, *_rest, kind in found if kind == "HLO temp")
+    return found, temporaries
+
+
 def dominant(sums: dict[str, int], temporaries: int) -> str:
     """What fills the device: "weights" (parameters, gradients and optimizer state), "temporaries", or "leftovers"."""
     weights = sums["parameters"] + sums["gradients"] + sums["optimizer state"]
@@ -395,11 +533,14 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
         return ""
     tb = exc.__traceback__
     frame = None
+    cell = None  # the failing cell's file, where its innermost frame is
     while tb is not None:
         frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith("<xla_"):
+            cell = frame.f_code.co_filename
         tb = tb.tb_next
     try:
-        found = holders(namespace, frame)
+        found = holders(namespace, frame, everything=True)  # unnamed tensors too, with where they were made
     except Exception as broken:
         return f"\nDevice memory on rank {rank}: the holders could not be read ({type(broken).__name__}: {broken})."
     sums = totals(found)
@@ -408,9 +549,17 @@ def explain(exc: BaseException, namespace: dict[str, Any], rank: int) -> str:
     temporaries = int(exc.temporaries or 0) if simulated else _asked(str(exc))  # type: ignore[attr-defined]
     lines = ["", f"Device memory on rank {rank} when it ran out (as %xla_memory names it):"]
     for holder in [h for h in found if not h.get("pending")][:SHOWN]:
+        made = f", {holder['made']}" if holder.get("made") else ""
         lines.append(f"  {human(holder['padded']):>9}  {holder['name']}  {holder['dtype']}{holder['shape']}  "
-                     f"({holder['kind']})")
-    needed = "the graph's temporaries" if simulated else "asked for"
+                     f"({holder['kind']}{made})")
+    compiled = compile_allocations(str(exc), cell)
+    if compiled is not None:  # the compiler refused the graph: its largest allocations, at the cell's lines
+        allocations, hlo_temp = compiled
+        temporaries = temporaries if simulated else hlo_temp
+        lines.append("The compiler's largest allocations for the graph, at the cell's lines:")
+        for size, where, operator, shape, kind in allocations[:SHOWN]:
+            lines.append(f"  {human(size):>9}  {where}  {operator}{'  ' + shape if shape else ''}  ({kind})")
+    needed = "the graph's temporaries" if simulated or compiled is not None else "asked for"
     lines.append("  by kind: " + ", ".join(f"{kind} {human(sums[kind])}" for kind in KINDS)
                  + (f", {needed} {human(temporaries)}" if temporaries else ""))
     if sum(sums.values()) + temporaries:  # nothing held and nothing asked: no guess at what dominates

@@ -386,8 +386,8 @@ class RankServer:
             self.namespace.update(objects)
         self.namespace.update(self.rank_names)  # a cell may have rebound ``rank``
         self._filename, body, last = self.cells.get(fields["source"], fields["filename"], fields.get("code"))
-        if (memory := self.memory) is not None:
-            memory.start()
+        if (reporter := self.memory) is not None:
+            reporter.start()
         try:
             self.phase = "cell"
             with self._accounted(fields), self.metrics.cell(fields), self._profiled(fields), interrupt.Cell():
@@ -397,8 +397,9 @@ class RankServer:
                 self.closing()
         finally:
             self.phase = "idle"
-            if memory is not None:
-                memory.stop()
+            memory.mark(self._filename)  # the tensors the cell made since its last sync: made in this cell
+            if reporter is not None:
+                reporter.stop()
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
         return self._result_frame(fields, value)

@@ -338,17 +338,14 @@ class HostsPool:
 
     def where_now(self, everything: bool = False, with_locals: bool = False) -> dict[int, dict[str, Any]]:
         """Where every host's ranks are now, by global rank (``%xla_stacks`` between cells: every engine is free)."""
-        calls = self._call_hosts(on_host.where_now, [(everything, with_locals)] * len(self.hosts))
-        found: dict[int, dict[str, Any]] = {}
-        for index, call in enumerate(calls):
-            try:
-                answers = call.get(WHERE_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001 - a lost engine: say so for its ranks, show the others
-                answers = {local: {"unanswered": f"host h{index} did not answer ({type(exc).__name__})"}
-                           for local in range(self.devices)}
-            for local, answer in answers.items():
-                found[self.numbering.rank(index, local)] = answer
-        return found
+        return self.numbering.by_rank(self._call_hosts(on_host.where_now, [(everything, with_locals)] * len(self.hosts)),
+                                     WHERE_TIMEOUT)
+
+    def memory_now(self, full: int) -> dict[int, dict[str, Any]]:
+        """What holds each rank's device memory, by global rank (``%xla_memory``); rank ``full`` lists its holders."""
+        host, local = self.numbering.place(full)
+        return self.numbering.by_rank(self._call_hosts(on_host.memory_now, [(local if at == host else None,) for at in
+                                                                            range(len(self.hosts))]), WHERE_TIMEOUT)
 
     def check_usable(self) -> None:
         if self.state == "broken":

@@ -13,7 +13,9 @@ call it) the rank counts what holds its device: the XLA tensors the user
 can name (launcher/memory.py: the namespace and the cell's frames),
 padded to TPU tiles, plus the temporaries of the graph that the sync ran,
 from torch_xla's compilation analysis (xla_analysis.py; remembered by the
-line that synced, since a cached graph is not analysed again). Past the
+line that synced, since a cached graph is not analysed again). Before it
+syncs, it marks where the tensors made since were made (memory.mark), for
+%xla_memory's unnamed tensors. Past the
 limit, the sync raises RuntimeError with the TPU runtime's wording. The
 figures answer ``xm.get_memory_info`` (``torch_xla._XLAC._xla_memory_info``).
 
@@ -68,19 +70,25 @@ class Book:
         self.lock = threading.Lock()
         self.temporaries: dict[tuple[str, int], int] = {}  # by the line that synced
         self.analysis_seen = 0  # how far into the analysis file this book has read
+        self.compiled: list[dict[str, Any]] = []  # the analysis blocks of the graphs the last sync compiled
 
     def figures(self) -> dict[str, int]:
         with self.lock:
             return {"bytes_used": self.used, "bytes_limit": self.limit, "peak_bytes_used": self.peak}
 
     def after_sync(self, where: tuple[str, int], frame: Any) -> None:
-        """Count after a sync ran a graph; RuntimeError, as a TPU's runtime words it, past the limit."""
+        """Count after a sync ran a graph; RuntimeError, as a TPU's compiler or runtime words it, past the limit."""
         try:
             namespace = shell.calling_home().namespace
         except RuntimeError:
             namespace = {}
-        used = memory.count(namespace, frame)
+        self.compiled = []
         temporaries = self._temporaries(where)
+        for block in self.compiled:  # a graph this sync compiled that no device could hold: the compiler refuses it
+            needs = block["memory"]
+            if sum(needs.get(key, 0) for key in COMPILE_NEEDS) > self.limit:
+                raise compile_error(needs, self.limit, where, namespace, frame)
+        used = memory.count(namespace, frame)
         with self.lock:
             was = self.used
             self.used = used
@@ -110,9 +118,67 @@ class Book:
                 text = file.read()
             self.analysis_seen = size
             blocks = xla_analysis.parse_analysis(text)
+            self.compiled = blocks
             if blocks:
                 self.temporaries[where] = max(block["memory"].get("temporaries", 0) for block in blocks)
         return self.temporaries.get(where, 0)
+
+
+COMPILE_NEEDS = ("inputs", "outputs", "temporaries", "program")  # what a graph needs at once on its device
+ALLOCATIONS_LISTED = 5
+RULE = "=" * 26
+
+
+def compile_error(needs: dict[str, int], limit: int, where: tuple[str, int], namespace: dict[str, Any],
+                  frame: Any) -> RuntimeError:
+    """A TPU compiler's refusal of a graph too large for its device, in its words, with its largest allocations:
+    the tensors the sync computes (its outputs, named as %xla_memory names them, at the line that synced) and its
+    temporaries (XLA:CPU's analysis gives their total only)."""
+    human = memory.human
+    total = sum(needs.get(key, 0) for key in COMPILE_NEEDS)
+    program = needs.get("temporaries", 0) + needs.get("program", 0)
+    low, high = memory.last_span()
+    try:
+        outputs = [holder for holder in memory.holders(namespace, frame, everything=True)
+                   if low < holder["number"] <= high and not holder.get("pending")]
+    except Exception:  # the message stands without them
+        outputs = []
+    filename, line = where
+    operator = f'source_file="{filename}" source_line={line}'
+    allocations = [(holder["padded"], f'op_name="{holder["name"]}" {operator}', _layout(holder), holder["bytes"],
+                    "output") for holder in outputs]
+    if needs.get("temporaries"):
+        allocations.append((needs["temporaries"], f'op_name="temporaries" {operator}', None, None, "HLO temp"))
+    allocations.sort(key=lambda allocation: -allocation[0])
+    lines = [f"RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+             f"Used {human(total)} of {human(limit)} hbm. Exceeded hbm capacity by {human(total - limit)}.",
+             "", f"Total hbm usage >= {human(total)}:", f"    program   {human(program):>10}",
+             f"    arguments {human(needs.get('inputs', 0)):>10}", "",
+             f"Output size {human(needs.get('outputs', 0))}.", "",
+             f"Program hbm requirement {human(program)}:", f"    HLO temp  {human(needs.get('temporaries', 0)):>10}",
+             "", "  Largest program allocations in hbm:", ""]
+    for number, (size, operator_text, shape, unpadded, kind) in enumerate(allocations[:ALLOCATIONS_LISTED], 1):
+        lines += [f"  {number}. Size: {human(size)}", f"     Operator: {operator_text}"]
+        if shape:
+            lines += [f"     Shape: {shape}", f"     Unpadded size: {human(unpadded)}"]
+        lines += [f"     Allocation type: {kind}", f"     {RULE}", ""]
+    error = RuntimeError("\n".join(lines).rstrip())
+    error.temporaries = needs.get("temporaries", 0)  # type: ignore[attr-defined]
+    return error
+
+
+_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "s64", "int32": "s32",
+           "int16": "s16", "int8": "s8", "uint8": "u8", "bool": "pred"}
+
+
+def _layout(holder: dict[str, Any]) -> str:
+    """A holder's shape as XLA writes it with a TPU's tiles: f32[512,512]{1,0:T(8,128)}."""
+    dims = holder["shape"]
+    if not dims:
+        return f"{_DTYPES.get(holder['dtype'], holder['dtype'])}[]"
+    order = ",".join(str(axis) for axis in reversed(range(len(dims))))
+    tiles = ":T(8,128)" if len(dims) >= 2 else ""
+    return f"{_DTYPES.get(holder['dtype'], holder['dtype'])}[{','.join(map(str, dims))}]{{{order}{tiles}}}"
 
 
 _book: Book | None = None
@@ -146,11 +212,14 @@ def memory_info(device: Any = None) -> dict[str, int]:
 
 def _counted_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     def sync(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
         current = _book
-        if current is not None:
-            caller = _callers_frame(sys._getframe(1))
-            current.after_sync((caller.f_code.co_filename, caller.f_lineno), caller)
+        if current is None:
+            return original(*args, **kwargs)
+        caller = _callers_frame(sys._getframe(1))
+        where = (caller.f_code.co_filename, caller.f_lineno)
+        memory.mark(*where)  # the tensors made since the last mark: this sync computes them
+        result = original(*args, **kwargs)
+        current.after_sync(where, caller)
         return result
 
     sync.__name__ = sync.__qualname__ = original.__name__
