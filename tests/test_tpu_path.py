@@ -12,6 +12,7 @@ import sys
 
 import psutil
 import pytest
+from IPython.utils.capture import capture_output
 from IPython.core.error import UsageError
 
 from fake_tpu_host import fake_tpu_host
@@ -198,3 +199,34 @@ def test_a_one_shot_cell_ends_only_once_every_rank_process_has_exited(ip, spawn)
         assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                        for pid in pids)
         assert len(spawn("", "rank").value) == 4
+
+
+SLEEPS = """
+import time, traceback
+print("started", flush=True)
+try:
+    while True:
+        time.sleep(60)
+except KeyboardInterrupt as stop:
+    stopped_at = [f.lineno for f in traceback.extract_tb(stop.__traceback__) if f.filename.startswith("<xla_spawn")]
+    raise
+"""
+
+
+def test_an_interrupt_stops_a_pool_ranks_cell_in_its_own_process_at_its_line_and_the_pool_goes_on(ip, spawn):
+    """torch_xla runs each rank process's function in a worker thread of its own, not the process's main thread."""
+    with fake_tpu_host(ip, "v5litepod-4"):
+        with capture_output():
+            ip.run_line_magic("xla_pool", "start")
+        try:
+            pool = ip._xla_magic_session.pool
+            pids = spawn("", "import os\nos.getpid()").value
+            assert len(set(pids)) == 4 and pool.ranks.backend == "tpu"
+            sent = interrupt_once_shown("started", 4)
+            with pytest.raises(RunInterrupted, match="keeps its ranks"):
+                spawn("", SLEEPS)
+            assert sent.is_set() and pool.state == "ready"
+            assert spawn("", "import os\n(stopped_at, os.getpid())").value == [([6], pid) for pid in pids]
+        finally:
+            with capture_output():
+                ip.run_line_magic("xla_pool", "stop")
