@@ -61,6 +61,8 @@ def test_v5e_1_runs_the_rank_in_a_process_of_its_own_that_can_fail_die_and_be_de
             spawn("", cell)
         assert sent.is_set()
         assert {s.state for s in session.history[-1].ranks.values()} == {"killed"}
+        with pytest.raises(RankError, match="timed out"):
+            spawn("--timeout 1", "import time\ntime.sleep(600)")
         assert spawn("", "rank + 1").value == [1]
         assert_nothing_left(ip)
 
