@@ -424,7 +424,8 @@ def _tpu_rank(
         return serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
 
     global _served_ok
-    if threading.current_thread() is not threading.main_thread() and xr.addressable_runtime_device_count() == 1:
+    if (threading.current_thread() is not threading.main_thread() and xr.addressable_runtime_device_count() == 1
+            and interrupt.can_hand_off()):
         # torch_xla's thread for the process's one device; its main thread waits for it. There, as a process
         # of its own on the cpu backend, SIGINT stops the cell at once (native code too) and the stack
         # sampler reads the cell's frames.

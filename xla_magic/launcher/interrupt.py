@@ -32,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 # What each rank thread of this process is doing; idle ranks are absent.
 BUSY = "busy"  # answering a request, outside its cell
@@ -53,16 +53,23 @@ def install_handler() -> None:
     signal.signal(signal.SIGINT, _on_interrupt)
 
 
-# A rank thread asks its process's main thread to run it with this signal (on_main_thread).
-HANDOFF = signal.SIGRTMIN + 3
-_handed: list[Any] = []  # the work handed to the main thread, oldest first
+# A rank thread asks its process's main thread to run it with this signal (on_main_thread); Linux's
+# real-time signals (a TPU host's), none elsewhere.
+HANDOFF = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+_handed: list[Callable[[], None]] = []  # the work handed to the main thread, oldest first
 
 
 def allow_handoff() -> None:
     """Let a rank thread of a process forked from here hand its work to that process's main thread.
 
     Call from the main thread, before the fork (xmp.spawn's worker processes inherit it)."""
-    signal.signal(HANDOFF, _run_handed)
+    if HANDOFF is not None:
+        signal.signal(HANDOFF, _run_handed)
+
+
+def can_hand_off() -> bool:
+    """Whether this process's main thread takes work handed to it (allow_handoff ran before it was forked)."""
+    return HANDOFF is not None and signal.getsignal(HANDOFF) is _run_handed
 
 
 def _run_handed(signum: int, frame: Any) -> None:
@@ -70,7 +77,7 @@ def _run_handed(signum: int, frame: Any) -> None:
         _handed.pop(0)()
 
 
-def on_main_thread(work: Any) -> Any:
+def on_main_thread(work: Callable[[], Any]) -> Any:
     """Run ``work()`` on this process's main thread and return (or raise) what it did; call from another thread.
 
     The main thread must be waiting in Python code that lets signal handlers run
