@@ -9,9 +9,11 @@ bounds a failure; none of them is a guessed duration.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -321,6 +323,26 @@ def shown(text: str) -> int:
 def interrupt_once_shown(text: str, times: int, **kwargs: Any) -> threading.Event:
     """Press the stop button once the running cell showed ``text`` ``times`` times (under capture_output)."""
     return interrupt_when(lambda: shown(text) >= times, **kwargs)
+
+
+class Terminal(io.TextIOBase):
+    """The terminal a person types at: what is typed depends on the prompt (the line the cell's output ends with),
+    after ``before_each`` looked around; prompts can come in any order."""
+
+    def __init__(self, answers: dict[str, list[str]], before_each=lambda: None) -> None:
+        self.answers = {prompt: list(lines) for prompt, lines in answers.items()}
+        self.before_each = before_each
+        self.prompts: list[str] = []
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:
+        self.before_each()
+        prompt = sys.stdout.getvalue().rsplit("\n", 1)[-1]  # input() wrote it to the captured output
+        self.prompts.append(prompt)
+        left = self.answers.get(prompt, [])
+        return left.pop(0) + "\n" if left else ""
 
 
 class Listening:

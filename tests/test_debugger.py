@@ -10,7 +10,6 @@ scripted one on sys.stdin, as a person typing).
 
 from __future__ import annotations
 
-import io
 import re
 import sys
 import time
@@ -18,7 +17,7 @@ import time
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Kernel, alive, kernel_with_pool, wait_for, wait_gone
+from helpers import Kernel, Terminal, alive, kernel_with_pool, wait_for, wait_gone
 from xla_magic import stacks
 from xla_magic.display import RankError
 
@@ -322,26 +321,6 @@ def test_debug_opens_the_spmd_process_frame_after_its_one_shot_cell_failed(kerne
 
 
 # --- through the real shell: the tpu launch path's rank threads, and the watchdog at the prompt ----------
-
-
-class Terminal(io.TextIOBase):
-    """The terminal a person types at: what is typed depends on the prompt (the line the cell's output ends with),
-    after ``before_each`` looked around; prompts can come in any order."""
-
-    def __init__(self, answers: dict[str, list[str]], before_each=lambda: None) -> None:
-        self.answers = {prompt: list(lines) for prompt, lines in answers.items()}
-        self.before_each = before_each
-        self.prompts: list[str] = []
-
-    def readable(self) -> bool:
-        return True
-
-    def readline(self, size: int | None = -1) -> str:
-        self.before_each()
-        prompt = sys.stdout.getvalue().rsplit("\n", 1)[-1]  # input() wrote it to the captured output
-        self.prompts.append(prompt)
-        left = self.answers.get(prompt, [])
-        return left.pop(0) + "\n" if left else ""
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Debugging a rank of a pool across hosts as on one host: input(), breakpoint() and pdb, %debug / %xla_debug, an
 interrupt at the prompt; the host's link to the kernel that carries the prompts. 2 simulated hosts (network
 namespaces) x 2 ranks, one real IPython shell whose input is the terminal's (a scripted one on sys.stdin, as a
-person typing: tests/test_debugger.py's Terminal)."""
+person typing: tests/helpers.py's Terminal)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ import psutil
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Kernel, Listening, pool_magic, press_stop
+from helpers import Kernel, Listening, Terminal, pool_magic, press_stop
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module, start_line, wait_until_empty  # noqa: F401
-from tests.test_debugger import Terminal
 from xla_magic import widget
 from xla_magic.display import DebuggerQuit, RankError, RunInterrupted
 from xla_magic.hosts import link

@@ -8,18 +8,21 @@ Root only (namespaces, mounts); skipped elsewhere with the reason.
 from __future__ import annotations
 
 import os
+import re
 import sys
+import threading
 
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import pool_magic
-from xla_magic.display import RankError
+from helpers import Listening, Terminal, pool_magic, press_stop
+from xla_magic.display import RankError, RunInterrupted
 from tests.hosts_fixtures import hosts, launch_template  # noqa: F401 (fixtures)
 
 HOSTS = 2
 RANKS_PER_HOST = 4  # a v4-16: 4 chips a host
 HOSTS_TAG = 7  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
+HANG_AFTER = 2.0
 ORDINALS = "0,2,4,6,1,3,5,7"  # the slice's ordinal of each task: host 0 holds 0, 2, 4, 6 and host 1 holds 1, 3, 5, 7
 FAKE_HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_tpu_host.py")
 
@@ -88,3 +91,39 @@ def test_init_process_group_xla_meets_on_host_0_across_the_hosts(ip, tpu_pool, h
     first = hosts.addresses()[0]
     # torch_xla's xla:// rendezvous: a TCP store on host 0 (MASTER_ADDR), every rank of both hosts meeting there
     assert value == [(r, 8, [host_of(o) for o in range(8)], first, "eth0") for r in range(8)]
+
+
+STUCK_ON_5 = """
+import socket
+never, _ = socket.socketpair()
+if rank == 5:
+    never.recv(1)  # a message no other rank sends
+rank
+"""
+
+
+def test_the_watchdog_an_interrupt_and_xla_debug_name_the_global_ordinal_across_the_hosts(ip, tpu_pool, monkeypatch):
+    session = ip._xla_magic_session
+    pids = dict(tpu_pool.pids)
+    sent = threading.Event()
+
+    def on_record(record) -> None:  # the stop button, once the watchdog spoke
+        if record.hang is not None and not sent.is_set():
+            sent.set()
+            threading.Thread(target=press_stop, daemon=True).start()
+
+    with Listening(session, on_record), capture_output(), pytest.raises(RunInterrupted, match="keeps its ranks"):
+        ip.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g}", STUCK_ON_5)
+    assert sent.is_set()
+    hang = session.history[-1].hang
+    assert re.match(r"xla_magic: h1 r5 has waited \d+ s in recv \(line 5\); ", hang), hang
+    assert tpu_pool.pids == pids  # the rank processes of both hosts kept, each stopped at its line
+    # a failure on h1 r3 (host 1's second chip): %xla_debug --rank takes the ordinal
+    with capture_output(), pytest.raises(RankError, match="ValueError: step 6"):
+        ip.run_cell_magic("xla_spawn", "", "step = rank + 3\nif rank == 3:\n    raise ValueError(f'step {step}')")
+    terminal = Terminal({"[h1 r3] (Pdb) ": ["p step", "q"]})
+    monkeypatch.setattr(sys, "stdin", terminal)
+    with capture_output() as shown:
+        ip.run_cell("%xla_debug --rank 3")
+    assert "[h1 r3] (Pdb) [h1 r3] 6\n" in shown.stdout, shown.stdout
+    assert cell(ip, "rank")[0] == list(range(8))

@@ -45,6 +45,12 @@ def test_v4_chips_give_one_device_each(tmp_path):
     assert probe.place("auto", None, root) == probe.Placement("tpu", 4)
 
 
+def test_7x_chips_give_two_devices_each(tmp_path):
+    root = fake_sys(tmp_path, [(GOOGLE, "0x0076")] * 4)  # torch_xla: one process per chip, two devices in it
+    assert probe.find_tpu(root) == probe.TpuHost("v7x", chips=4, devices_per_chip=2)
+    assert probe.place("auto", None, root) == probe.Placement("tpu", 8)
+
+
 @pytest.mark.parametrize("generation_id, devices, refused, allowed", [
     ("0x0027", 4, 4, "1 or 8"),
     ("0x005e", 8, 8, "1 or 4"),

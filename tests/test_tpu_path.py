@@ -7,15 +7,18 @@ Root only (a mount namespace); skipped elsewhere with the reason.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
+from IPython.utils.capture import capture_output
 from IPython.core.error import UsageError
 
 from fake_tpu_host import fake_tpu_host
-from helpers import assert_nothing_left, interrupt_once_shown
+from helpers import Listening, Terminal, assert_nothing_left, interrupt_once_shown, press_stop
 from xla_magic.display import RankError, RunInterrupted
 
 SHOW = """
@@ -58,6 +61,8 @@ def test_v5e_1_runs_the_rank_in_a_process_of_its_own_that_can_fail_die_and_be_de
             spawn("", cell)
         assert sent.is_set()
         assert {s.state for s in session.history[-1].ranks.values()} == {"killed"}
+        with pytest.raises(RankError, match="timed out"):
+            spawn("--timeout 1", "import time\ntime.sleep(600)")
         assert spawn("", "rank + 1").value == [1]
         assert_nothing_left(ip)
 
@@ -198,3 +203,107 @@ def test_a_one_shot_cell_ends_only_once_every_rank_process_has_exited(ip, spawn)
         assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                        for pid in pids)
         assert len(spawn("", "rank").value) == 4
+
+
+
+FAILS_ON_RANK_2 = "import os\nstep = rank + 3\nif rank == 2:\n    raise ValueError(f'step {step}')\nos.getpid()"
+
+
+def test_a_failed_one_shot_rank_in_a_process_of_its_own_is_kept_for_debug_rank(ip, spawn, monkeypatch):
+    """On torch_xla's one-process-per-chip path, as on the simulation's: the failed rank's process waits for pdb."""
+    session = ip._xla_magic_session
+    with fake_tpu_host(ip, "v5litepod-4"):
+        with pytest.raises(RankError, match="ValueError: step 5"):
+            spawn("", FAILS_ON_RANK_2)
+        try:
+            post_mortem = session.post_mortem
+            assert post_mortem is not None and list(post_mortem.debuggable) == [2]
+            assert post_mortem.ranks.pids[2] not in (os.getpid(), post_mortem.ranks.supervisor_pid)
+            terminal = Terminal({"[rank 2] (Pdb) ": ["p step", "p __import__('threading').current_thread().name", "q"]})
+            monkeypatch.setattr(sys, "stdin", terminal)
+            with capture_output() as shown:
+                ip.run_cell("%xla_debug --rank 2")
+            assert "[rank 2] -> raise ValueError(f'step {step}')\n[rank 2] (Pdb) [rank 2] 5\n" in shown.stdout, shown.stdout
+            assert "[rank 2] 'MainThread'\n" in shown.stdout  # its process's main thread, not torch_xla's worker
+        finally:
+            session.release_post_mortem()
+
+
+# The last tests of the module: its pool keeps the fake TPU host (a mount namespace) until the module ends.
+
+@pytest.fixture(scope="module")
+def tpu_pool(ip):
+    """A pool of 4 rank processes on a fake v5e-4, one per chip, as torch_xla starts them on a TPU VM."""
+    with fake_tpu_host(ip, "v5litepod-4"):
+        with capture_output():
+            ip.run_line_magic("xla_pool", f"start --hang-after {HANG_AFTER:g}")
+        try:
+            pool = ip._xla_magic_session.pool
+            assert pool.ranks.backend == "tpu" and not pool.ranks.cpu_threads
+            yield pool
+        finally:
+            with capture_output():
+                ip.run_line_magic("xla_pool", "stop")
+
+
+HANG_AFTER = 2.0
+
+SLEEPS = """
+import time, traceback
+print("started", flush=True)
+try:
+    while True:
+        time.sleep(600)
+except KeyboardInterrupt as stop:
+    stopped_at = [f.lineno for f in traceback.extract_tb(stop.__traceback__) if f.filename.startswith("<xla_spawn")]
+    raise
+"""
+
+
+def test_an_interrupt_or_timeout_stops_pool_ranks_sleeping_in_their_processes_at_the_line_and_the_pool_goes_on(
+        ip, tpu_pool, spawn):
+    """torch_xla's spawn calls each rank process's function in a worker thread: SIGINT reaches the main thread."""
+    pids = spawn("", "import os\nos.getpid()").value
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+    sent = interrupt_once_shown("started", 4)
+    with pytest.raises(RunInterrupted, match="keeps its ranks"):
+        spawn("", SLEEPS)
+    assert sent.is_set() and tpu_pool.state == "ready"
+    assert spawn("", "import os\n(stopped_at, os.getpid())").value == [([6], pid) for pid in pids]
+    with pytest.raises(RankError, match="timed out.*keeps its ranks"):
+        spawn("--timeout 1", "import time\ntime.sleep(600)")
+    assert spawn("", "import os\nos.getpid()").value == pids
+
+
+NEVER_ANSWERED = """
+import socket
+never, _ = socket.socketpair()
+print("started", flush=True)
+if rank == 0:
+    never.recv(1)  # a message no other rank sends
+rank
+"""
+
+
+def test_the_watchdog_and_xla_stacks_name_the_cell_line_a_pool_rank_process_is_stuck_at(ip, tpu_pool, spawn):
+    session = ip._xla_magic_session
+    pids = dict(tpu_pool.pids)
+    sent = threading.Event()
+
+    def on_record(record) -> None:  # the stop button, once the watchdog spoke
+        if record.hang is not None and not sent.is_set():
+            sent.set()
+            threading.Thread(target=press_stop, daemon=True).start()
+
+    with Listening(session, on_record), pytest.raises(RunInterrupted, match="keeps its ranks") as caught:
+        spawn("", NEVER_ANSWERED)
+    assert sent.is_set()
+    assert re.match(r"xla_magic: rank 0 has waited \d+ s in recv \(line 6\); ranks 1-3 finished the cell\. A collective "
+                    r"that only some ranks make never completes", session.history[-1].hang), session.history[-1].hang
+    assert caught.value.where[1:3] == ["rank 0: waiting in recv (line 6)",
+                                       "    line 6: never.recv(1)  # a message no other rank sends"], caught.value.where
+    with capture_output() as shown:
+        ip.run_line_magic("xla_stacks", "--rank 0")
+    assert "rank 0: waiting in recv (line 6)\n    line 6: never.recv(1)" in shown.stdout, shown.stdout
+    assert "rank 0: idle (no cell running)" in shown.stdout, shown.stdout  # asked now: its process serves the pool
+    assert tpu_pool.pids == pids and spawn("", "rank").value == [0, 1, 2, 3]

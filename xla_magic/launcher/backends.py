@@ -14,7 +14,8 @@ until the kernel closes their sockets); see serve.Serving.
 - cpu: one forked process per rank, each with a single XLA CPU device
   (PJRT_DEVICE=CPU), joined in a gloo process group on loopback.
 - tpu: torch_xla's ``xmp.spawn(..., start_method="fork")``, one process per
-  chip, each calling the rank with its global ordinal. One chip: a forked
+  chip, each calling the rank with its global ordinal in a thread; a rank
+  alone in its process moves to the process's main thread. One chip: a forked
   process of its own runs torch_xla's ``nprocs=1`` layout (which runs the
   rank in the calling process). With PJRT_DEVICE=CPU it runs the same code
   path as CPU_NUM_DEVICES threads.
@@ -34,6 +35,7 @@ import importlib.util
 import os
 import signal
 import socket
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -344,6 +346,7 @@ def run_tpu(
     # instead of the supervisor's SIG_IGN; the ranks are their threads. They
     # must also die of SIGTERM, and only the main thread can say so: here.
     interrupt.install_handler()
+    interrupt.allow_handoff()  # a rank alone in its process runs on that process's main thread (see _tpu_rank)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     supervisor.send(protocol.SPAWNED, pids={})
     relay = capture.Relay([(s.out, s.err) for s in ranks])  # output rings, shared with the ranks
@@ -417,6 +420,22 @@ def _tpu_rank(
             names.update(local_rank=local, host=world["host"])
         return names
 
+    def serve_rank() -> bool:
+        return serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
+
     global _served_ok
-    _served_ok = serve.serve(index, ranks[index], setup, serving, strategy_module.closing_on_xla(run_id))
+    if (threading.current_thread() is not threading.main_thread() and xr.addressable_runtime_device_count() == 1
+            and interrupt.can_hand_off()):
+        # torch_xla's thread for the process's one device; its main thread waits for it. There, as a process
+        # of its own on the cpu backend, SIGINT stops the cell at once (native code too) and the stack
+        # sampler reads the cell's frames.
+        device = torch_xla._XLAC._xla_get_default_device()  # the thread's; the main thread's is the same one
+
+        def on_main_thread() -> bool:
+            torch_xla._XLAC._xla_set_default_device(device)
+            return serve_rank()
+
+        _served_ok = interrupt.on_main_thread(on_main_thread)
+    else:
+        _served_ok = serve_rank()
     lifetime.flush_c_stdio()

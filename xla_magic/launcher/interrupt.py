@@ -1,12 +1,18 @@
 """SIGINT in a rank stops the rank's cell and nothing else. Runs in a rank.
 
 A rank is either the main thread of its own process (the cpu backend) or a
-thread of a process it shares (the tpu launch path: torch_xla's xmp.spawn
-runs every rank as a thread of its worker processes, on every TPU
-generation). A signal only ever reaches a process's main thread, so the
-handler raises KeyboardInterrupt there itself, and in a rank thread as an
-asynchronous exception, which a thread blocked in native code (an XLA
-compile, ``.item()``, ``time.sleep``) only notices once that call returns.
+thread of a process it shares (the tpu launch path with several devices per
+process: v2/v3's two cores, or PJRT_DEVICE=CPU's threads). A signal only
+ever reaches a process's main thread, so the handler raises KeyboardInterrupt
+there itself, and in a rank thread as an asynchronous exception, which a
+thread blocked in native code (an XLA compile, ``.item()``, ``time.sleep``)
+only notices once that call returns.
+
+torch_xla's xmp.spawn calls its function in a worker thread even where its
+process has one device (every chip of a v4 and later: ``_run_thread_per_device``
+in ``torch_xla/_internal/pjrt.py``), while the process's main thread waits
+for that thread. Such a rank hands itself to the main thread
+(:func:`on_main_thread`), so it is interrupted as a process of its own is.
 
 A rank wraps each request it answers (a one-shot run, or one pool request)
 in :class:`Request`, and the user's code in :class:`Cell`:
@@ -26,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 # What each rank thread of this process is doing; idle ranks are absent.
 BUSY = "busy"  # answering a request, outside its cell
@@ -45,6 +51,57 @@ def install_handler() -> None:
     launch path's rank threads) get it.
     """
     signal.signal(signal.SIGINT, _on_interrupt)
+
+
+# A rank thread asks its process's main thread to run it with this signal (on_main_thread); Linux's
+# real-time signals (a TPU host's), none elsewhere.
+HANDOFF = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None
+_handed: list[Callable[[], None]] = []  # the work handed to the main thread, oldest first
+
+
+def allow_handoff() -> None:
+    """Let a rank thread of a process forked from here hand its work to that process's main thread.
+
+    Call from the main thread, before the fork (xmp.spawn's worker processes inherit it)."""
+    if HANDOFF is not None:
+        signal.signal(HANDOFF, _run_handed)
+
+
+def can_hand_off() -> bool:
+    """Whether this process's main thread takes work handed to it (allow_handoff ran before it was forked)."""
+    return HANDOFF is not None and signal.getsignal(HANDOFF) is _run_handed
+
+
+def _run_handed(signum: int, frame: Any) -> None:
+    while _handed:
+        _handed.pop(0)()
+
+
+def on_main_thread(work: Callable[[], Any]) -> Any:
+    """Run ``work()`` on this process's main thread and return (or raise) what it did; call from another thread.
+
+    The main thread must be waiting in Python code that lets signal handlers run
+    (torch_xla's wait for its device threads is a lock's acquire, which does):
+    it runs ``work`` in the handler of :data:`HANDOFF`, sent to that thread alone,
+    for as long as ``work`` takes, then goes back to its wait."""
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # raised in the calling thread instead
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    _handed.append(run)
+    signal.pthread_kill(threading.main_thread().ident, HANDOFF)
+    done.wait()
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
 
 
 def _on_interrupt(signum: int, frame: Any) -> None:

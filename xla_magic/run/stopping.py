@@ -67,18 +67,18 @@ def interrupt(run: Any, ranks: list[int], reason: str) -> None:
     if answered and waiting and all(rank in run.ranks.thread_ranks for rank in waiting):
         grace = THREAD_STOP_GRACE
         again = "again " if reason == "interrupt" else ""
-        print(f"waiting up to {grace:g} s for rank(s) {listed(waiting)} to leave native code; "
+        print(f"waiting up to {grace:g} s for rank(s) {listed([run.ranks.global_rank(r) for r in waiting])} to leave "
+              f"native code; "
               f"interrupt {again}to stop {'it' if len(waiting) == 1 else 'them'} now", flush=True)
         answered = wait_for_ranks(run, waiting, grace - STOP_GRACE, resend=True)
         waiting = run.unsettled(ranks)
     if not waiting:
         return
+    named = listed([run.ranks.global_rank(rank) for rank in waiting])  # on one host of several: as its tags say
     if answered:
-        run.ranks.mark_broken(f"rank(s) {listed(waiting)} did not stop on SIGINT within {grace:g} s "
-                               f"and were killed")
+        run.ranks.mark_broken(f"rank(s) {named} did not stop on SIGINT within {grace:g} s and were killed")
     else:
-        run.ranks.mark_broken(f"rank(s) {listed(waiting)} were still running at a second interrupt "
-                               f"and were killed")
+        run.ranks.mark_broken(f"rank(s) {named} were still running at a second interrupt and were killed")
 
 
 def wait_for_ranks(run: Any, ranks: list[int], seconds: float, resend: bool = False) -> bool:
