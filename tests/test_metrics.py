@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
 import time
 
 import pytest
@@ -201,7 +203,7 @@ def test_log_outside_a_cell_says_where_it_works():
         log(loss=1.0)
 
 
-def test_a_terminal_ipython_gets_one_text_line_rewritten_in_place(ip, pool, spawn):
+def test_output_that_is_not_a_terminal_gets_the_text_line_once_at_the_end(ip, pool, spawn):
     run = spawn("", "import torch, torch_xla\nfor step in range(30):\n"
                     "    log(loss=torch.tensor(1.0 / (step + 1), device=device) * (rank + 1))\n"
                     "    torch_xla.sync()")
@@ -239,3 +241,36 @@ def test_each_rank_logs_in_a_one_shot_cell_and_as_a_thread_of_the_tpu_launch_pat
     assert rows == sorted([(rank, step, "loss", float(step * (rank + 1))) for rank in (0, 1) for step in range(6)]
                           + [(rank, 6, "after", 2.0) for rank in (0, 1)])
     assert "loss 7.5 (step 5) · after 2 (step 6)" in run.stdout.splitlines()
+
+
+def test_a_terminal_ipython_gets_one_text_line_rewritten_in_place(tmp_path):
+    """A real IPython on a pseudo-terminal: the line is rewritten (carriage return, erase) while the cell runs, and
+    ends as a line of its own with the last value logged."""
+    import pexpect
+
+    gate = tmp_path / "gate"
+    body = (f"import os, time\nstep = 0\nwhile not os.path.exists({str(gate)!r}):\n    log(loss=float(step))\n"
+            "    step += 1\n    time.sleep(0.01)\nprint('last step', step - 1)")
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"), TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor"],
+                          env=env, encoding="utf-8", timeout=KERNEL_TIMEOUT, dimensions=(40, 200))
+    try:
+        child.expect(r"In \[1\]: ")
+        child.sendline("%load_ext xla_magic")
+        child.expect(r"In \[2\]: ")
+        child.sendline(f"get_ipython().run_cell_magic('xla_spawn', '--devices 2', {body!r})")
+        steps: set[str] = set()
+        while len(steps) < 2:  # rewritten twice while the ranks still log: the cursor left at the line's start
+            child.expect(r"\r\x1b\[Kloss \S+ \(step (\d+)\)\r")
+            steps.add(child.match.group(1))
+        gate.touch()
+        child.expect(r"In \[3\]: ")
+        tail = child.before
+        child.sendline("exit")
+        child.expect(pexpect.EOF)
+    finally:
+        gate.touch()
+        child.close(force=True)
+    last = max(int(step) for step in re.findall(r"\[rank \d\] last step (\d+)", tail))
+    # Its last state, ended as a line of its own: the last step's value (the same on both ranks, so their mean).
+    assert re.findall(r"\r\x1b\[K(loss [^\r\n]*)\r\n", tail)[-1] == f"loss {float(last):.4g} (step {last})", tail

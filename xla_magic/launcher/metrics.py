@@ -8,12 +8,16 @@ graph. The logger queues one of torch_xla's step closures
 (``xm.add_step_closure``) per step that logged a device value; the closure
 runs in ``torch_xla.sync()`` (``xm.mark_step`` calls it) after the step's
 graph was launched, and notes that what was held before that sync now has
-its data. Those values are read later, all in one transfer
-(``_xla_get_cpu_tensors``), when the rank sends a batch, once a later sync
-launched the next step's graph: the device runs graphs in order, so theirs
-has run (or nearly), and the device has the next step's to run meanwhile. That transfer is the logger's own, not the cell's: the
-cell's XLA account (xla_account.py) takes it off, as it takes off the CPU
-simulation's copies.
+its data. Those values are read later, in one transfer
+(``_xla_get_cpu_tensors``) for READ_AT of them or when the rank sends a
+batch, once a later sync launched the next step's graph: the device runs
+graphs in order, so theirs has run (or nearly), and the device has the next
+step's to run meanwhile. They are not held longer: torch_xla walks every
+live device tensor at each sync, so each one held makes every step of the
+cell slower (about 0.7 us a tensor a sync on a CPU host; holding a 0.2 s
+batch of a fast loop's values cost it 9 %). That transfer is the logger's
+own, not the cell's: the cell's XLA account (xla_account.py) takes it off,
+as it takes off the CPU simulation's copies.
 
 Values travel to the kernel as one METRICS event per batch (rows of
 ``(step, name, value, time)``), at most every FLUSH_SECONDS and at the
@@ -39,6 +43,10 @@ import torch
 from xla_magic.wire import protocol
 
 FLUSH_SECONDS = 0.2  # the longest a logged value waits on the rank before it is sent
+# Device values held before they are read. Each live device tensor costs every sync of the cell (torch_xla walks
+# them all: about 0.7 us each on a CPU host), each transfer costs (tens of us, less per value the more it reads):
+# reading every 16 to 32 values costs a step least (benchmarks/bench_metrics.py).
+READ_AT = 32
 _loggers = threading.local()
 _process_logger: "Logger | None" = None
 _lock = threading.Lock()
@@ -117,12 +125,25 @@ class Logger:
 
     def _synced(self) -> None:
         """A step closure: the graph of what was logged before this sync is launched (and the last one's has run,
-        the device runs graphs in order: reading those waits for this step's graph no longer than it must)."""
+        the device runs graphs in order: reading those waits for this step's graph no longer than it must).
+        What has run is read once READ_AT values wait: every device tensor held alive makes each sync of the
+        cell slower (torch_xla walks all live tensors at a sync), so none is held longer than that."""
         self.queued = False
         self.ran += self.launched
         self.launched, self.waiting = self.waiting, []
-        if self.seq is not None and time.monotonic() - self.sent >= FLUSH_SECONDS:
+        if self.seq is None:
+            return
+        if time.monotonic() - self.sent >= FLUSH_SECONDS:
             self.flush()
+        elif len(self.ran) >= READ_AT:
+            self.read()
+
+    def read(self) -> None:
+        """Read what has run (one transfer); it is sent with the next batch."""
+        held, self.ran = self.ran, []
+        held = self._unchanged(held, at_end=False)
+        if held:
+            self.rows += _read(held, counted=True)
 
     def flush(self, everything: bool = False) -> None:
         """Send what is read so far as one METRICS event; ``everything``: the cell's end, read what the last sync
