@@ -365,6 +365,23 @@ class Listening:
             self.session.listeners.remove(self.listener)
 
 
+def stop_on_record(session, ready: Callable[[Any], bool]) -> tuple[Listening, threading.Event]:
+    """Press the stop button (SIGINT to this process, as a kernel gets it) once ``ready(record)`` holds for a
+    record of the session's: ``with`` the listening around the cell; the event says it was pressed."""
+    sent = threading.Event()
+
+    def listener(record) -> None:
+        if not sent.is_set() and ready(record):
+            sent.set()
+            threading.Thread(target=press_stop, daemon=True).start()
+
+    return Listening(session, listener), sent
+
+
+def the_watchdog_spoke(record) -> bool:
+    return record.hang is not None
+
+
 def every_rank(record, state: str) -> bool:
     return bool(record.ranks) and all(s.state == state for s in record.ranks.values())
 

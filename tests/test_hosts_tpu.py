@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-import threading
 
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import Listening, Terminal, pool_magic, press_stop
+from helpers import Terminal, pool_magic, stop_on_record, the_watchdog_spoke
 from xla_magic.display import RankError, RunInterrupted
 from tests.hosts_fixtures import hosts, launch_template  # noqa: F401 (fixtures)
 
@@ -105,14 +104,8 @@ rank
 def test_the_watchdog_an_interrupt_and_xla_debug_name_the_global_ordinal_across_the_hosts(ip, tpu_pool, monkeypatch):
     session = ip._xla_magic_session
     pids = dict(tpu_pool.pids)
-    sent = threading.Event()
-
-    def on_record(record) -> None:  # the stop button, once the watchdog spoke
-        if record.hang is not None and not sent.is_set():
-            sent.set()
-            threading.Thread(target=press_stop, daemon=True).start()
-
-    with Listening(session, on_record), capture_output(), pytest.raises(RunInterrupted, match="keeps its ranks"):
+    listening, sent = stop_on_record(session, the_watchdog_spoke)  # the stop button, once the watchdog spoke
+    with listening, capture_output(), pytest.raises(RunInterrupted, match="keeps its ranks"):
         ip.run_cell_magic("xla_spawn", f"--hang-after {HANG_AFTER:g}", STUCK_ON_5)
     assert sent.is_set()
     hang = session.history[-1].hang

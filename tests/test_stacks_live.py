@@ -10,14 +10,14 @@ it is in place, never after a guessed delay.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from typing import Callable
 
 import pytest
 from IPython.utils.capture import capture_output
 
-from helpers import KERNEL_TIMEOUT, Kernel, Listening, press_stop, stacks_with_a_thread_left, strip_ansi
+from helpers import (KERNEL_TIMEOUT, Kernel, Listening, stacks_with_a_thread_left, stop_on_record, strip_ansi,
+                     the_watchdog_spoke)
 from xla_magic import stacks, widget
 from xla_magic.display import RunInterrupted
 from xla_magic.record import RunRecord
@@ -26,25 +26,13 @@ HANG_AFTER = 2.0
 DEADLINE = 240.0  # bounds a failure only
 
 
-def interrupt_when(ip, ready: Callable[[RunRecord], bool]) -> tuple[Listening, threading.Event]:
-    """Press the stop button (SIGINT to this process, as a kernel gets it) once ``ready(record)`` holds."""
-    sent = threading.Event()
-
-    def listener(record: RunRecord) -> None:
-        if not sent.is_set() and ready(record):
-            sent.set()
-            threading.Thread(target=press_stop, daemon=True).start()
-
-    return Listening(ip._xla_magic_session, listener), sent
-
-
 def printed(mark: str, ranks: int = 2) -> Callable[[RunRecord], bool]:
     return lambda record: sum(mark in state.last_line for state in record.ranks.values()) == ranks
 
 
 def interrupted(ip, line: str, cell: str, ready: Callable[[RunRecord], bool]) -> tuple[RunInterrupted, str]:
     """Run the cell, interrupt it once ``ready``; the error and what the cell showed."""
-    listening, sent = interrupt_when(ip, ready)
+    listening, sent = stop_on_record(ip._xla_magic_session, ready)
     with listening, capture_output() as captured, pytest.raises(RunInterrupted) as caught:
         ip.run_cell_magic("xla_spawn", line, cell)
     assert sent.is_set()
@@ -115,7 +103,7 @@ def test_a_rank_in_a_c_call_beside_one_waiting_in_a_collective_names_both(ip):
     )
     # --timeout bounds a failure only: without the line, the cell ends timed out rather than interrupted
     error, shown = interrupted(ip, f"--devices 2 --hang-after {HANG_AFTER:g} --timeout {DEADLINE:g}", cell,
-                               lambda record: record.hang is not None)
+                               the_watchdog_spoke)
     said = (r"xla_magic: likely a hang: rank 0 has waited \d+ s in xm.rendezvous\('late'\) \(line 5\); rank 1 has "
             r"not answered for \d+ s: busy in native code that holds the GIL\. ")
     line = ip._xla_magic_session.history[-1].hang
@@ -164,7 +152,7 @@ def pool(ip):
 
 def test_pool_rendezvous_only_rank_0_makes_is_named_a_hang_then_the_pool_goes_on(pool):
     cell = "import torch_xla.core.xla_model as xm\nif rank == 0:\n    xm.rendezvous('save')\nprint('done', flush=True)\n"
-    error, shown = interrupted(pool, "", cell, lambda record: record.hang is not None)
+    error, shown = interrupted(pool, "", cell, the_watchdog_spoke)
     watchdog = [line for line in shown.splitlines() if line.startswith("xla_magic:")]
     assert len(watchdog) == 1, shown
     assert re.fullmatch(

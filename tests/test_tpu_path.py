@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 
 import psutil
 import pytest
@@ -18,7 +17,7 @@ from IPython.utils.capture import capture_output
 from IPython.core.error import UsageError
 
 from fake_tpu_host import fake_tpu_host
-from helpers import Listening, Terminal, assert_nothing_left, interrupt_once_shown, press_stop
+from helpers import Terminal, assert_nothing_left, interrupt_once_shown, stop_on_record, the_watchdog_spoke
 from xla_magic.display import RankError, RunInterrupted
 
 SHOW = """
@@ -288,14 +287,8 @@ rank
 def test_the_watchdog_and_xla_stacks_name_the_cell_line_a_pool_rank_process_is_stuck_at(ip, tpu_pool, spawn):
     session = ip._xla_magic_session
     pids = dict(tpu_pool.pids)
-    sent = threading.Event()
-
-    def on_record(record) -> None:  # the stop button, once the watchdog spoke
-        if record.hang is not None and not sent.is_set():
-            sent.set()
-            threading.Thread(target=press_stop, daemon=True).start()
-
-    with Listening(session, on_record), pytest.raises(RunInterrupted, match="keeps its ranks") as caught:
+    listening, sent = stop_on_record(session, the_watchdog_spoke)  # the stop button, once the watchdog spoke
+    with listening, pytest.raises(RunInterrupted, match="keeps its ranks") as caught:
         spawn("", NEVER_ANSWERED)
     assert sent.is_set()
     assert re.match(r"xla_magic: rank 0 has waited \d+ s in recv \(line 6\); ranks 1-3 finished the cell\. A collective "
