@@ -35,8 +35,11 @@ KINDS = {
     "v5litepod-8": ("0x0063", "1,1,1", "2,4,1"),
     "v5litepod-4": ("0x0063", "1,1,1", "2,2,1"),
     "v5litepod-1": ("0x0063", "1,1,1", "1,1,1"),
+    "v4-8": ("0x005e", "1,1,1", "2,2,1"),
     "v4-16": ("0x005e", "1,1,2", "2,2,1"),  # 2 hosts of 4 chips (set TPU_WORKER_ID, TPU_WORKER_HOSTNAMES)
 }
+# The chips' device files: v4 and before open /dev/accelN, v5e and later /dev/vfio/N.
+ACCEL_KINDS = {"0x005e"}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -68,8 +71,9 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, chip_files
                   **env: str) -> Iterator[None]:
     """This process (and what it starts) on a TPU host of ``kind``, until the block ends.
 
-    ``chip_files``: the chips' device files too, /dev/vfio/N (plain files on a tmpfs of the namespace's;
-    /dev/vfio is made for it where the machine has none, and removed afterwards)."""
+    ``chip_files``: the chips' device files too: /dev/vfio/N (plain files on a tmpfs of the namespace's;
+    /dev/vfio is made for it where the machine has none, and removed afterwards), or on a v4 /dev/accelN
+    (plain files made in /dev where the machine has none, and removed afterwards: a file cannot take a mount)."""
     reason = refused()
     if reason:
         pytest.skip(reason)
@@ -78,15 +82,20 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, chip_files
     saved = dict(os.environ)
     cwd = os.getcwd()
     _drop_launcher(ip)
-    made_vfio = chip_files and not os.path.isdir(VFIO)
+    accel = KINDS[kind][0] in ACCEL_KINDS
+    made_vfio = chip_files and not accel and not os.path.isdir(VFIO)
     if made_vfio:
         os.mkdir(VFIO)
+    made_accel = [path for path in (f"/dev/accel{chip}" for chip in range(chips))
+                  if chip_files and accel and not os.path.exists(path)]
+    for path in made_accel:
+        open(path, "x").close()
     home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
     try:
         _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         try:
             _mount_chips(kind)
-            if chip_files:
+            if chip_files and not accel:
                 _check(_libc.mount(b"fake-vfio", VFIO.encode(), b"tmpfs", 0, None), "mount tmpfs")
                 for chip in range(chips):
                     open(os.path.join(VFIO, str(chip)), "w").close()
@@ -106,6 +115,8 @@ def fake_tpu_host(ip, kind: str = "v5litepod-8", libtpu: bool = True, chip_files
         os.close(home)
         if made_vfio:
             os.rmdir(VFIO)
+        for path in made_accel:
+            os.unlink(path)
 
 
 def _chips(kind: str) -> int:

@@ -122,6 +122,25 @@ def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_r
         assert len(spawn("", "rank").value) == 4  # freed: the ranks start
 
 
+def test_a_v4_chip_held_through_dev_accel_is_named_too(ip, spawn):
+    """v4 and before: the runtime opens /dev/accelN, not /dev/vfio/N."""
+    with fake_tpu_host(ip, "v4-8", chip_files=True):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nchip = open('/dev/accel3')\nprint('held', flush=True)\n"
+             "time.sleep(600)", "another-notebook"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            with pytest.raises(UsageError) as refused:
+                spawn("", "rank")
+            message = " ".join(str(refused.value).split())
+            assert f"the TPU is held by another process, so no rank can open it: pid {holder.pid} (" in message
+            assert "another-notebook), yours. End it (kill " + str(holder.pid) in message
+        finally:
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
+
+
 def test_failures_at_start_say_what_failed_in_torch_xlas_words_first(ip, spawn):
     # no metadata server (the fake host's is GKE's variables): torch_xla's import itself fails
     with fake_tpu_host(ip, "v5litepod-4", TPU_SKIP_MDS_QUERY=""):
