@@ -84,20 +84,24 @@ def test_ranks_are_counted_as_torch_xla_starts_them_and_an_impossible_count_is_r
 
 
 def test_libtpu_init_args_set_or_unset_in_the_kernel_later_keep_torch_xlas_own_flags(ip, spawn):
-    read = 'import os\nos.environ.get("LIBTPU_INIT_ARGS", "").split()'
+    read = 'import os\n[os.environ.get(name, "").split() for name in ("LIBTPU_INIT_ARGS", "XLA_FLAGS")]'
     with fake_tpu_host(ip, "v5litepod-1", LIBTPU_INIT_ARGS="--xla_given=1"):  # the kernel's as the launcher starts
-        (first,) = spawn("", read).value  # the launcher's torch_xla merged its flags in at import
+        ((first, first_xla),) = spawn("", read).value  # the launcher's torch_xla merged its flags in at import
         assert "--xla_given=1" in first
         assert "--xla_tpu_use_enhanced_launch_barrier=false" in first
         assert "--xla_tpu_enable_flash_attention=false" in first
+        assert "--xla_cpu_enable_fast_math=false" in first_xla  # torch_xla's XLA_FLAGS at import
         torch_xlas = [flag for flag in first if flag != "--xla_given=1"]
         os.environ["LIBTPU_INIT_ARGS"] = "--xla_tpu_enable_flash_attention=true --xla_mine=1"
-        (flags,) = spawn("", read).value
-        del os.environ["LIBTPU_INIT_ARGS"]
-        (left,) = spawn("", read).value
+        os.environ["XLA_FLAGS"] = "--xla_dump_hlo_as_text"  # a real flag: XLA refuses ones it does not know
+        ((flags, xla_flags),) = spawn("", read).value
+        del os.environ["LIBTPU_INIT_ARGS"], os.environ["XLA_FLAGS"]
+        ((left, xla_left),) = spawn("", read).value
     assert flags[:2] == ["--xla_tpu_enable_flash_attention=true", "--xla_mine=1"]  # the user's, and they win
     assert sorted(flags[2:]) == sorted(f for f in torch_xlas if not f.startswith("--xla_tpu_enable_flash_attention"))
     assert sorted(left) == sorted(torch_xlas)  # unset: the kernel's part goes, torch_xla's stays
+    assert sorted(xla_flags) == sorted(first_xla + ["--xla_dump_hlo_as_text"])  # XLA_FLAGS merge the same way
+    assert xla_left == first_xla
 
 
 def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_rank_starts(ip, spawn):
