@@ -392,7 +392,7 @@ class HostsPool:
         self.runner.history.cell_began(record)  # %xla_report shows what XLA did on every host
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
                                notebook=cell.live_lines or self.live_lines,
-                               numbering=None if cell.fresh else self.numbering)
+                               numbering=None if cell.fresh else self.numbering, metrics=cell.metrics)
         try:
             values_by_host = self._follow(request)
         except RankError as error:
