@@ -27,6 +27,9 @@ from xla_magic.record import RunRecord
 
 KEY = "xla_magic_metrics"  # + " N": a host's Nth send of rows in its call's ipyparallel data
 FLUSH_SECONDS = 0.2  # the longest a host holds rows its ranks sent
+NO_METRICS_DIR = ("--metrics-dir writes each rank's TensorBoard files where it runs, which a pool across hosts does "
+                  "not do yet; leave it out: the chart and %xla_metrics have every rank's values, and "
+                  "torch.utils.tensorboard's SummaryWriter writes them where you choose")
 
 
 class Publisher:
