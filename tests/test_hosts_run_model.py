@@ -208,5 +208,11 @@ def test_what_the_ranks_log_on_every_host_is_drawn_under_the_cell_by_global_rank
     with capture_output() as shown:
         ip.run_cell_magic("xla_spawn", "--metrics ranks", "for step in range(3):\n    log(loss=10 * rank + step)")
     assert "loss 2 (rank 0), 12 (rank 1), 22 (rank 2), 32 (rank 3) (step 2)" in shown.stdout, shown.stdout
+    # Ranks spawned for one cell say their global rank as they start: their values are named by it too.
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--fresh", "log(step=7, seen=rank)")
+    assert "seen 1.5 (step 7)" in shown.stdout, shown.stdout
+    table = ip.run_line_magic("xla_metrics", "")
+    assert sorted(zip(table["rank"], table["value"])) == [(rank, float(rank)) for rank in range(4)]
     with pytest.raises(UsageError, match="--metrics-dir writes each rank's TensorBoard files where it runs"):
         ip.run_cell_magic("xla_spawn", "--metrics-dir /var/tmp/xla-magic-never", "rank")
