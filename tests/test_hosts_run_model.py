@@ -5,6 +5,7 @@ every host's ranks. 2 simulated hosts (network namespaces) x 2 ranks, one real I
 from __future__ import annotations
 
 import html
+import math
 import os
 import re
 import shutil
@@ -179,3 +180,39 @@ def test_xla_memory_asks_every_host_s_ranks_between_cells(ip, pool):
     for rank in range(4):
         assert f"\n  h{rank // 2} r{rank}: {8 * (rank + 1)}.00K of 16.00G used; " in every.stdout, every.stdout
 
+
+
+def test_what_the_ranks_log_on_every_host_is_drawn_under_the_cell_by_global_rank(ip, pool):
+    # Each host sends its ranks' batches on to the kernel (hosts/metrics.py): the line under the cell is the
+    # mean of all four ranks, a NaN on h1 r3 is said once under its global rank, --metrics ranks names every
+    # global rank, and %xla_metrics holds each rank's values under its global rank, as on one host.
+    cell = ("import torch, torch_xla\nfor step in range(20):\n"
+            "    log(loss=torch.tensor(1.0 / (step + 1), device=device) * (rank + 1),\n"
+            "        gap=float('nan') if rank == 3 and step >= 10 else 1.0)\n"
+            "    torch_xla.sync()\n")
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", cell)
+    mean = (1 + 2 + 3 + 4) / 4 / 20
+    drawn = [set(line.split(" · ")) for line in shown.stdout.splitlines() if "(step 19)" in line]
+    assert drawn == [{f"loss {mean:.4g} (step 19)", "gap nan (step 19)"}], shown.stdout  # names in the order they came
+    said = [line for line in shown.stdout.splitlines() if line.startswith("log: ")]
+    assert said == ["log: gap is nan at step 10 on rank 3 (drawn as a gap)"], shown.stdout
+    table = ip.run_line_magic("xla_metrics", "")
+    rows = [(rank, step, name, value) for rank, step, name, value in
+            zip(table["rank"], table["step"], table["name"], table["value"])]
+    assert sorted({row[0] for row in rows}) == [0, 1, 2, 3]
+    assert len(rows) == 4 * 20 * 2, len(rows)
+    for rank, step, name, value in rows:
+        if name == "loss":
+            assert math.isclose(value, (rank + 1) / (step + 1), rel_tol=1e-6), (rank, step, value)
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--metrics ranks", "for step in range(3):\n    log(loss=10 * rank + step)")
+    assert "loss 2 (rank 0), 12 (rank 1), 22 (rank 2), 32 (rank 3) (step 2)" in shown.stdout, shown.stdout
+    # Ranks spawned for one cell say their global rank as they start: their values are named by it too.
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--fresh", "log(step=7, seen=rank)")
+    assert "seen 1.5 (step 7)" in shown.stdout, shown.stdout
+    table = ip.run_line_magic("xla_metrics", "")
+    assert sorted(zip(table["rank"], table["value"])) == [(rank, float(rank)) for rank in range(4)]
+    with pytest.raises(UsageError, match="--metrics-dir writes each rank's TensorBoard files where it runs"):
+        ip.run_cell_magic("xla_spawn", "--metrics-dir /var/tmp/xla-magic-never", "rank")

@@ -30,6 +30,7 @@ from xla_magic.run import watch
 from xla_magic.display import RankError, RunInterrupted
 from xla_magic.history import History
 from xla_magic.hosts import link as kernel_link
+from xla_magic.hosts.metrics import Publisher
 from xla_magic.hosts import profiles
 from xla_magic.pools.this_host import LocalPool
 from xla_magic.pools.interface import Cell, PoolOptions
@@ -76,6 +77,8 @@ class Here:
         self.world = world
         self.runs = History()
         self.runs.listeners.append(self._tell_kernel)
+        self.logged = Publisher(self._global_rank)  # what its ranks log(), sent on to the kernel's chart
+        self.runs.listeners.append(self.logged.notice)
         self.runner = Runner(self.runs)
         self.runner.ask = _ask_kernel  # its ranks' questions go to the kernel, through the link
         self.pool: LocalPool | None = None
@@ -105,6 +108,15 @@ class Here:
             publish_data({NEWS: dict(news, waited=waited)})
         except Exception:  # noqa: BLE001 - not in an engine, or the news cannot travel: the kernel waits for the end
             pass
+
+    def _global_rank(self, record: RunRecord, local: int) -> int:
+        """A rank's global rank: as it said when it started (fresh ranks), or as the pool's said at its start."""
+        state = record.ranks.get(local)
+        if state is not None and state.ordinal is not None:
+            return state.ordinal
+        if self.pool is not None:
+            return self.pool.ranks.global_rank(local)
+        return self.world["rank_offset"] + local
 
     def renew(self, world: protocol.World) -> None:
         """This host's part of a new world: its pool's ranks end; its launcher and values stay."""
@@ -274,6 +286,7 @@ def _told(here: Here, cell: Cell, call: Callable[[], Any]) -> HostOutcome:
     before, began = here.runs.last_profiled, here.runs.last_cell
     outcome = _outcome(call)
     record = here.runs.last_cell
+    here.logged.flush(record if record is not began else None)  # what it logged last, before the answer
     if record is not None and record is not began:
         shared = {id(state.xla): state.xla for state in record.ranks.values() if state.xla is not None}
         outcome["accounts"] = list(shared.values())  # rank threads of one process share one

@@ -27,6 +27,7 @@ from xla_magic.wire import protocol
 from xla_magic.display import RankError
 from xla_magic.hosts import discovery, link, on_host, profiles
 from xla_magic.hosts.debugging import HostsPostMortem
+from xla_magic.hosts.metrics import NO_METRICS_DIR
 from xla_magic.post_mortem import NOT_KEPT_FRESH_HOSTS
 from xla_magic.hosts.discovery import DEFAULT_TEMPLATE, template_words
 from xla_magic.hosts.naming import RESTART, Numbering
@@ -363,6 +364,8 @@ class HostsPool:
         self.runner.release_post_mortem("another cell ran since")  # the ranks drop them at their next request
         if cell.spmd is not None:
             raise UsageError("the pool runs on several hosts, one rank per device; --spmd cells cannot run there")
+        if cell.metrics_dir is not None:  # each host's ranks would write theirs on its own disk, by local rank
+            raise UsageError(NO_METRICS_DIR)
         if not cell.fresh and cell.devices is not None and cell.devices != self.devices:
             raise UsageError(f"the pool across hosts runs {self.devices} ranks per host, so --devices "
                              f"{cell.devices} contradicts it; leave --devices out, or %xla_pool restart "
@@ -392,7 +395,7 @@ class HostsPool:
         self.runner.history.cell_began(record)  # %xla_report shows what XLA did on every host
         request = HostsRequest(self, calls, timeout=None, record=record, devices=devices, hang_after=hang_after,
                                notebook=cell.live_lines or self.live_lines,
-                               numbering=None if cell.fresh else self.numbering)
+                               numbering=None if cell.fresh else self.numbering, metrics=cell.metrics)
         try:
             values_by_host = self._follow(request)
         except RankError as error:

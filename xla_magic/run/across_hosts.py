@@ -22,6 +22,7 @@ from IPython.core.error import UsageError
 from xla_magic import rank_input, stacks
 from xla_magic.display import DebuggerQuit, RankError, RankFailure, RunInterrupted, TaggedOutput
 from xla_magic.hosts import link
+from xla_magic.hosts.metrics import Taker
 from xla_magic.hosts.naming import RESTART, Numbering
 from xla_magic.hosts.on_host import ASKED, NEWS, QUIET_NEWS, HostOutcome
 from xla_magic.record import RunRecord
@@ -46,7 +47,7 @@ class HostsRequest:
 
     def __init__(self, pool: Any, calls: list[Any], timeout: float | None = None, echo: bool = True,
                  record: RunRecord | None = None, devices: int | None = None, hang_after: float | None = None,
-                 notebook: bool = False, numbering: Numbering | None = None) -> None:
+                 notebook: bool = False, numbering: Numbering | None = None, metrics: str | None = None) -> None:
         self.pool = pool
         self.calls = calls
         self.timeout = timeout
@@ -73,14 +74,23 @@ class HostsRequest:
         self._answered: dict[int, str] = {}  # rank -> the prompt's "where" it left: a host's later news may still say it
         self.lost_links: dict[int, str] = {}  # host -> why its link to the kernel was lost (hosts/link.py)
         self._began = time.monotonic()
+        # What the ranks log(), as their hosts send it (hosts/metrics.py), drawn under a cell (``metrics``: --metrics).
+        self.logged = Taker(calls, record, self.history, metrics, notebook)
 
     def wait(self) -> list[Any]:
         """Every host's value, in host order, or the error that says what went wrong where."""
+        try:
+            return self._wait()
+        finally:
+            self.logged.close()  # the last values drawn, however the cell ended
+
+    def _wait(self) -> list[Any]:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while len(self.outcomes) < len(self.calls):
             try:
                 self._collect()
                 self._show()
+                self.logged.take()
                 self._follow_news()
                 self._answer_questions()
                 if self.stopping is None and deadline is not None and time.monotonic() > deadline:
