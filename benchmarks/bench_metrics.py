@@ -19,7 +19,7 @@ again, its outputs included.
   ``log(loss=loss)`` after the step's sync), as a user first runs it, at 100
   steps instead of 40.
 - A toy cell whose step is as short as a training step gets here (a small
-  MLP on one batch, about 1.4 ms a step on the CPU simulation, no
+  MLP on one batch, about 1.4 ms a step in one process of the CPU simulation, no
   all-reduce) logging two device scalars of its step every step
   (``log(loss=loss, accuracy=accuracy)``): the worst case, where the few us
   ``log`` costs a step weigh most. Both cells compute the accuracy,
