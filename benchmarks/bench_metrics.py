@@ -7,11 +7,22 @@ and updated by its display id) with the extension loaded and a warm pool on
 the CPU simulation; each cell is timed from submitted to the kernel idle
 again, its outputs included.
 
-- A 100-step training cell that logs two device scalars of its step every
-  step (``log(loss=loss, accuracy=accuracy)``) against the same cell without
-  the ``log`` line, in rounds, the order reversed every other round; the
-  figure is each kind's median and the note the median of the rounds'
-  ratios. The issue's target: at most 1.02. Both cells compute the accuracy,
+- Two 100-step training cells, each against the same cell without its
+  ``log`` line, all four in the same rounds, the order reversed every other
+  round (so a loaded machine's load falls on both alike); the figure is each
+  cell's median and the note the median of the rounds' ratios and the
+  difference of the medians per step (what ``log`` adds to a step, in
+  absolute terms: what a step of another length would pay). The issue's
+  target: at most 1.02.
+- The quickstart's training cell (notebooks/quickstart.py: a linear model on
+  its shard of the data, ``xm.optimizer_step``, so an all-reduce every step,
+  ``log(loss=loss)`` after the step's sync), as a user first runs it, at 100
+  steps instead of 40.
+- A toy cell whose step is as short as a training step gets here (a small
+  MLP on one batch, about 1.4 ms a step in one process of the CPU simulation, no
+  all-reduce) logging two device scalars of its step every step
+  (``log(loss=loss, accuracy=accuracy)``): the worst case, where the few us
+  ``log`` costs a step weigh most. Both cells compute the accuracy,
   as a cell that watches it does: what is measured is ``log``, not the
   user's expression (logging ``model[0].weight[0, 0]`` would also count
   indexing the weight, two traced ops a step, about 6 % of this small step
@@ -25,20 +36,33 @@ again, its outputs included.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
-from bench_kernel import MODEL_SETUP, Kernel
+from bench_kernel import MODEL_SETUP, Kernel, alternate
 
 RANKS = 4
-ROUNDS = 7
+ROUNDS = 11
 LONG_RANKS = 8
 LONG_STEPS = 10_000
 SETUP = """
-import torch, torch_xla
-from xla_magic import log""" + MODEL_SETUP + """def steps(count, logged):
+import time, torch, torch_xla
+from xla_magic import log
+spent = {}  # (cell, logged) -> this rank's CPU seconds (all its threads) of each run
+
+def cpu_spent(run):
+    def timed(count, logged):
+        started = time.process_time()
+        run(count, logged)
+        spent.setdefault(f"{run.__name__}, {'log' if logged else 'plain'}", []).append(time.process_time() - started)
+    return timed
+""" + MODEL_SETUP + """
+@cpu_spent
+def steps(count, logged):
     for step in range(count):
         optimizer.zero_grad()
         out = model(x)
@@ -50,6 +74,38 @@ from xla_magic import log""" + MODEL_SETUP + """def steps(count, logged):
             log(loss=loss, accuracy=accuracy)
         torch_xla.sync()
 """
+# The quickstart's training cell (notebooks/quickstart.py), its data made on the ranks rather than shipped.
+QUICKSTART = """
+import torch_xla.core.xla_model as xm
+generator = torch.Generator().manual_seed(0)
+features = torch.randn(512, 3, generator=generator)
+targets = (features @ torch.tensor([2.0, -3.0, 0.5]) + 1.0 + 0.1 * torch.randn(512, generator=generator)).unsqueeze(1)
+
+@cpu_spent
+def quickstart(count, logged):
+    model = torch.nn.Linear(3, 1).to(device)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = features[rank::world_size].to(device)
+    y = targets[rank::world_size].to(device)
+    for step in range(count):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        xm.optimizer_step(optimizer)
+        torch_xla.sync()
+        if logged:
+            log(loss=loss)
+"""
+STEPS = 100
+CELLS = {
+    "quickstart, log": f"%%xla_spawn\nquickstart({STEPS}, True)",
+    "quickstart, plain": f"%%xla_spawn\nquickstart({STEPS}, False)",
+    "steps, log": f"%%xla_spawn\nsteps({STEPS}, True)",
+    "steps, plain": f"%%xla_spawn\nsteps({STEPS}, False)",
+}
 
 Row = tuple[str, float, float, str, str]
 
@@ -60,20 +116,50 @@ def kernel_cpu(kernel: Kernel) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def overhead(kernel: Kernel) -> dict[str, list[float]]:
+def overhead(kernel: Kernel) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds of each of CELLS, ROUNDS times, all in the same rounds on one warm pool; and the ranks' mean CPU
+    seconds of each run (the rank processes' own clocks: what log costs them, whatever else loads the machine)."""
     kernel.run(f"%xla_pool start --devices {RANKS} --backend cpu")
     try:
-        kernel.run(f"%%xla_spawn\n{SETUP}")
-        cells = {"log": "%%xla_spawn\nsteps(100, True)", "plain": "%%xla_spawn\nsteps(100, False)"}
-        for cell in cells.values():  # every graph compiled
+        kernel.run(f"%%xla_spawn\n{SETUP}{QUICKSTART}")
+        for cell in CELLS.values():  # every graph compiled
             kernel.run(cell)
-        times: dict[str, list[float]] = {kind: [] for kind in cells}
-        for i in range(ROUNDS):
-            for kind in (list(cells) if i % 2 == 0 else list(cells)[::-1]):
-                times[kind].append(kernel.run(cells[kind]))
-        return times
+        kernel.run("%%xla_spawn\nspent.clear()")
+        times = alternate(kernel, CELLS, ROUNDS)
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "spent.json")
+            kernel.run(f"%%xla_spawn --out spent_by_rank\nspent")
+            kernel.run(f"import json\njson.dump(spent_by_rank, open({path!r}, 'w'))")
+            by_rank = json.load(open(path))
+        cpu = {cell: [statistics.mean(runs) for runs in zip(*(rank[cell] for rank in by_rank))] for cell in CELLS}
+        return times, cpu
     finally:
         kernel.run("%xla_pool stop")
+
+
+def compared(values: dict[str, list[float]], cell: str) -> tuple[float, float, float, float]:
+    """(median with log, median without, median of the rounds' ratios, us log adds a step: the medians' difference)."""
+    ours, theirs = values[f"{cell}, log"], values[f"{cell}, plain"]
+    ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+    with_log, without = statistics.median(ours), statistics.median(theirs)
+    return with_log, without, ratio, (with_log - without) / STEPS * 1e6
+
+
+def overhead_rows(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> list[Row]:
+    rows = []
+    for cell, what in (("quickstart", "the quickstart's training cell (linear model, all-reduce a step) logging its "
+                                      "loss every step"),
+                       ("steps", "a toy training cell (small MLP, one batch) logging two device scalars every "
+                                 "step")):
+        ours, theirs, ratio, added = compared(times, cell)
+        cpu_ours, cpu_theirs, cpu_ratio, cpu_added = compared(cpu, cell)
+        rows.append((f"{what}, {STEPS} steps, {RANKS}-rank pool, through a real kernel (median of {ROUNDS})",
+                     ours * 1000, theirs * 1000, "ms",
+                     f"baseline: the same cell without log, in the same rounds; median of the rounds' ratios "
+                     f"{ratio:.3f}; log adds {added:.0f} us a step ({theirs * 1e6 / STEPS:.0f} us without it); "
+                     f"a rank's CPU: {cpu_ours * 1e6 / STEPS:.0f} us a step with log, {cpu_theirs * 1e6 / STEPS:.0f} "
+                     f"us without, ratio {cpu_ratio:.3f}, log's own {cpu_added:.0f} us a step; target: at most 1.02"))
+    return rows
 
 
 def long_cell(kernel: Kernel) -> dict[str, tuple[float, float]]:
@@ -96,19 +182,12 @@ def main() -> list[Row]:
     kernel = Kernel()
     try:
         kernel.run("%load_ext xla_magic")
-        times = overhead(kernel)
+        times, cpu = overhead(kernel)
         long = long_cell(kernel)
     finally:
         kernel.close()
-    ms = {kind: statistics.median(values) * 1000 for kind, values in times.items()}
-    ratios = [ours / theirs for ours, theirs in zip(times["log"], times["plain"])]
     share = {kind: 100 * cpu / wall for kind, (wall, cpu) in long.items()}
-    return [
-        (f"a 100-step training cell logging two device scalars every step, {RANKS}-rank pool, through a real kernel "
-         f"(median of {ROUNDS})",
-         ms["log"], ms["plain"], "ms",
-         f"baseline: the same cell without log, in the same rounds; median of the rounds' ratios "
-         f"{statistics.median(ratios):.3f}; target: at most 1.02"),
+    return overhead_rows(times, cpu) + [
         (f"the kernel's CPU for a {LONG_STEPS}-step cell logging two values a step on {LONG_RANKS} ranks, as a share "
          f"of the cell's wall time",
          share["log"], share["plain"], "%",
@@ -117,8 +196,18 @@ def main() -> list[Row]:
     ]
 
 
+def only_overhead() -> list[Row]:
+    """The two 100-step cells alone (``python benchmarks/bench_metrics.py step``)."""
+    kernel = Kernel()
+    try:
+        kernel.run("%load_ext xla_magic")
+        return overhead_rows(*overhead(kernel))
+    finally:
+        kernel.close()
+
+
 if __name__ == "__main__":
     started = time.monotonic()
-    for name, ours, baseline, unit, note in main():
+    for name, ours, baseline, unit, note in (only_overhead() if sys.argv[1:] == ["step"] else main()):
         print(f"{name}: {ours:.2f} {unit} (baseline {baseline:.2f} {unit}): {note}")
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)

@@ -52,6 +52,9 @@ _process_logger: "Logger | None" = None
 _lock = threading.Lock()
 Held = tuple  # a device value held until read: (step, name, tensor, time, the tensor's _version when logged)
 own_transfers = 0  # device-to-host transfers the loggers of this process made (xla_account takes them off)
+_Tensor = torch.Tensor
+_wall, _monotonic = time.time, time.monotonic
+_step_closures: Any = None  # torch_xla's xm.add_step_closure, once imported
 
 
 def current() -> "Logger | None":
@@ -100,27 +103,32 @@ class Logger:
                 self.board.close()
 
     def log(self, step: Any, values: dict[str, Any]) -> None:
+        # Called every step of a training loop: a few us of Python against a step of a ms or less on a small
+        # model, so the common case (device scalars, no step given) takes the shortest path (bench_metrics.py).
         if self.seq is None:
             raise RuntimeError("log() records values while a cell runs on this rank; none runs now")
         if step is None:
             step = self.next_step
         elif isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"log(step=...) takes a whole number, not {type(step).__name__} ({step!r})")
-        step = int(step)
+        else:
+            step = int(step)
         self.next_step = step + 1
-        now = time.time()
+        now = _wall()
+        waiting = self.waiting
         for name, value in values.items():
-            held = _device_value(name, value)
-            if held is None:
-                self.rows.append((step, name, _number(name, value), now))
+            if isinstance(value, _Tensor) and value.is_xla:
+                if value.numel() != 1 or value.is_complex():
+                    _check_tensor(name, value)
+                if value._is_view():  # see _device_value
+                    value = value.detach().clone()
+                waiting.append((step, name, value, now, value._version))
             else:
-                self.waiting.append((step, name, held, now, held._version))
-        if self.waiting and not self.queued:
-            import torch_xla.core.xla_model as xm
-
-            xm.add_step_closure(self._synced)
+                self.rows.append((step, name, _number(name, value), now))
+        if waiting and not self.queued:
+            _add_step_closure()(self._synced)
             self.queued = True
-        if time.monotonic() - self.sent >= FLUSH_SECONDS:
+        if _monotonic() - self.sent >= FLUSH_SECONDS:
             self.flush()
 
     def _synced(self) -> None:
@@ -214,6 +222,16 @@ class Board:
             self.writer = None
 
 
+def _add_step_closure() -> Any:
+    """torch_xla's ``xm.add_step_closure`` (imported on the first use, not with this module: ranks log without it)."""
+    global _step_closures
+    if _step_closures is None:
+        import torch_xla.core.xla_model as xm
+
+        _step_closures = xm.add_step_closure
+    return _step_closures
+
+
 def _need_graphs(held: list[Held]) -> list[bool]:
     """For each held value: whether reading it would run a graph (torch_xla's own check, no sync)."""
     import torch_xla
@@ -233,7 +251,8 @@ def _read(held: list[Held], counted: bool) -> list[tuple[int, str, float, float]
     if counted:
         with _lock:
             own_transfers += 1
-    return [(entry[0], entry[1], float(value.detach()), entry[3]) for entry, value in zip(held, on_cpu)]
+    # .item() (a Python number), then float: a fifth of float(tensor)'s cost, the same value
+    return [(entry[0], entry[1], float(value.item()), entry[3]) for entry, value in zip(held, on_cpu)]
 
 
 def check(name: str, value: Any) -> None:
@@ -250,7 +269,7 @@ def _device_value(name: str, value: Any) -> Any:
     read, so once the base changed (the optimizer's step) reading it would run
     the pending graph. Its copy is taken now, and computed with the step.
     """
-    if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+    if not isinstance(value, torch.Tensor) or not value.is_xla:
         return None
     _check_tensor(name, value)
     return value.detach().clone() if value._is_view() else value
