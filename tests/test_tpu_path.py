@@ -251,23 +251,6 @@ def test_a_failed_one_shot_rank_in_a_process_of_its_own_is_kept_for_debug_rank(i
             session.release_post_mortem()
 
 
-# The last tests of the module: its pool keeps the fake TPU host (a mount namespace) until the module ends.
-
-@pytest.fixture(scope="module")
-def tpu_pool(ip):
-    """A pool of 4 rank processes on a fake v5e-4, one per chip, as torch_xla starts them on a TPU VM."""
-    with fake_tpu_host(ip, "v5litepod-4"):
-        with capture_output():
-            ip.run_line_magic("xla_pool", f"start --hang-after {HANG_AFTER:g}")
-        try:
-            pool = ip._xla_magic_session.pool
-            assert pool.ranks.backend == "tpu" and not pool.ranks.cpu_threads
-            yield pool
-        finally:
-            with capture_output():
-                ip.run_line_magic("xla_pool", "stop")
-
-
 HANG_AFTER = 2.0
 
 SLEEPS = """
@@ -282,21 +265,6 @@ except KeyboardInterrupt as stop:
 """
 
 
-def test_an_interrupt_or_timeout_stops_pool_ranks_sleeping_in_their_processes_at_the_line_and_the_pool_goes_on(
-        ip, tpu_pool, spawn):
-    """torch_xla's spawn calls each rank process's function in a worker thread: SIGINT reaches the main thread."""
-    pids = spawn("", "import os\nos.getpid()").value
-    assert len(set(pids)) == 4 and os.getpid() not in pids
-    sent = interrupt_once_shown("started", 4)
-    with pytest.raises(RunInterrupted, match="keeps its ranks"):
-        spawn("", SLEEPS)
-    assert sent.is_set() and tpu_pool.state == "ready"
-    assert spawn("", "import os\n(stopped_at, os.getpid())").value == [([6], pid) for pid in pids]
-    with pytest.raises(RankError, match="timed out.*keeps its ranks"):
-        spawn("--timeout 1", "import time\ntime.sleep(600)")
-    assert spawn("", "import os\nos.getpid()").value == pids
-
-
 NEVER_ANSWERED = """
 import socket
 never, _ = socket.socketpair()
@@ -307,19 +275,56 @@ rank
 """
 
 
-def test_the_watchdog_and_xla_stacks_name_the_cell_line_a_pool_rank_process_is_stuck_at(ip, tpu_pool, spawn):
-    session = ip._xla_magic_session
-    pids = dict(tpu_pool.pids)
-    listening, sent = stop_on_record(session, the_watchdog_spoke)  # the stop button, once the watchdog spoke
-    with listening, pytest.raises(RunInterrupted, match="keeps its ranks") as caught:
-        spawn("", NEVER_ANSWERED)
-    assert sent.is_set()
-    assert re.match(r"xla_magic: rank 0 has waited \d+ s in recv \(line 6\); ranks 1-3 finished the cell\. A collective "
-                    r"that only some ranks make never completes", session.history[-1].hang), session.history[-1].hang
-    assert caught.value.where[1:3] == ["rank 0: waiting in recv (line 6)",
-                                       "    line 6: never.recv(1)  # a message no other rank sends"], caught.value.where
-    with capture_output() as shown:
-        ip.run_line_magic("xla_stacks", "--rank 0")
-    assert "rank 0: waiting in recv (line 6)\n    line 6: never.recv(1)" in shown.stdout, shown.stdout
-    assert "rank 0: idle (no cell running)" in shown.stdout, shown.stdout  # asked now: its process serves the pool
-    assert tpu_pool.pids == pids and spawn("", "rank").value == [0, 1, 2, 3]
+@pytest.fixture(scope="class")
+def tpu_pool(ip):
+    """A pool of 4 rank processes on a fake v5e-4, one per chip, as torch_xla starts them on a TPU VM."""
+    with fake_tpu_host(ip, "v5litepod-4"):
+        with capture_output():
+            ip.run_line_magic("xla_pool", f"start --hang-after {HANG_AFTER:g}")
+        try:
+            pool = ip._xla_magic_session.pool
+            assert pool.ranks.backend == "tpu" and not pool.ranks.cpu_threads
+            yield pool
+        finally:
+            with capture_output():
+                ip.run_line_magic("xla_pool", "stop")
+
+
+class TestAPoolOfRankProcesses:
+    """A pool's rank processes on a fake v5e-4: the pool (a class-scoped fixture), and the fake TPU host (a mount
+    namespace) it lives in, last as long as this class's tests, in whatever order the suite runs them."""
+
+    def test_an_interrupt_or_timeout_stops_pool_ranks_sleeping_in_their_processes_at_the_line_and_the_pool_goes_on(
+            self, ip, tpu_pool, spawn):
+        """torch_xla's spawn calls each rank process's function in a worker thread: SIGINT reaches the main
+        thread."""
+        pids = spawn("", "import os\nos.getpid()").value
+        assert len(set(pids)) == 4 and os.getpid() not in pids
+        sent = interrupt_once_shown("started", 4)
+        with pytest.raises(RunInterrupted, match="keeps its ranks"):
+            spawn("", SLEEPS)
+        assert sent.is_set() and tpu_pool.state == "ready"
+        assert spawn("", "import os\n(stopped_at, os.getpid())").value == [([6], pid) for pid in pids]
+        with pytest.raises(RankError, match="timed out.*keeps its ranks"):
+            spawn("--timeout 1", "import time\ntime.sleep(600)")
+        assert spawn("", "import os\nos.getpid()").value == pids
+
+    def test_the_watchdog_and_xla_stacks_name_the_cell_line_a_pool_rank_process_is_stuck_at(
+            self, ip, tpu_pool, spawn):
+        session = ip._xla_magic_session
+        pids = dict(tpu_pool.pids)
+        listening, sent = stop_on_record(session, the_watchdog_spoke)  # the stop button, once the watchdog spoke
+        with listening, pytest.raises(RunInterrupted, match="keeps its ranks") as caught:
+            spawn("", NEVER_ANSWERED)
+        assert sent.is_set()
+        hang = session.history[-1].hang
+        assert re.match(r"xla_magic: rank 0 has waited \d+ s in recv \(line 6\); ranks 1-3 finished the cell\. "
+                        r"A collective that only some ranks make never completes", hang), hang
+        where = caught.value.where
+        assert where[1:3] == ["rank 0: waiting in recv (line 6)",
+                              "    line 6: never.recv(1)  # a message no other rank sends"], where
+        with capture_output() as shown:
+            ip.run_line_magic("xla_stacks", "--rank 0")
+        assert "rank 0: waiting in recv (line 6)\n    line 6: never.recv(1)" in shown.stdout, shown.stdout
+        assert "rank 0: idle (no cell running)" in shown.stdout, shown.stdout  # asked now: its process serves the pool
+        assert tpu_pool.pids == pids and spawn("", "rank").value == [0, 1, 2, 3]
