@@ -6,10 +6,12 @@ Root only (a mount namespace); skipped elsewhere with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+from typing import Iterator
 
 import psutil
 import pytest
@@ -104,45 +106,45 @@ def test_libtpu_init_args_set_or_unset_in_the_kernel_later_keep_torch_xlas_own_f
     assert xla_left == first_xla
 
 
+@contextlib.contextmanager
+def held(chip_file: str, command: str) -> Iterator[subprocess.Popen]:
+    """A process of ours, named ``command``, holding a chip's device file open until the block ends."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time\nchip = open({chip_file!r})\nprint('held', flush=True)\n"
+         "time.sleep(600)", command], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
+def refusal(spawn) -> str:
+    with pytest.raises(UsageError) as refused:
+        spawn("", "rank")
+    return " ".join(str(refused.value).split())
+
+
 def test_a_tpu_held_by_another_process_is_named_with_how_to_free_it_before_any_rank_starts(ip, spawn):
     with fake_tpu_host(ip, "v5litepod-4", chip_files=True):
-        holder = subprocess.Popen(
-            [sys.executable, "-c", "import sys, time\nchip = open('/dev/vfio/2')\nprint('held', flush=True)\n"
-             "time.sleep(600)", "stray-script"], stdout=subprocess.PIPE, text=True)
-        try:
-            assert holder.stdout.readline() == "held\n"
+        with held("/dev/vfio/2", "stray-script") as holder:
             runs = len(ip._xla_magic_session.history)
-            with pytest.raises(UsageError) as refused:
-                spawn("", "rank")
-            message = " ".join(str(refused.value).split())
+            message = refusal(spawn)
             assert f"the TPU is held by another process, so no rank can open it: pid {holder.pid} (" in message
             assert "stray-script), yours. End it (kill " + str(holder.pid) in message
             assert "%xla_help tpu-held" in message
             assert len(ip._xla_magic_session.history) == runs  # refused before any run started
-        finally:
-            holder.kill()
-            holder.wait()
-            holder.stdout.close()
         assert len(spawn("", "rank").value) == 4  # freed: the ranks start
 
 
 def test_a_v4_chip_held_through_dev_accel_is_named_too(ip, spawn):
     """v4 and before: the runtime opens /dev/accelN, not /dev/vfio/N."""
-    with fake_tpu_host(ip, "v4-8", chip_files=True):
-        holder = subprocess.Popen(
-            [sys.executable, "-c", "import sys, time\nchip = open('/dev/accel3')\nprint('held', flush=True)\n"
-             "time.sleep(600)", "another-notebook"], stdout=subprocess.PIPE, text=True)
-        try:
-            assert holder.stdout.readline() == "held\n"
-            with pytest.raises(UsageError) as refused:
-                spawn("", "rank")
-            message = " ".join(str(refused.value).split())
-            assert f"the TPU is held by another process, so no rank can open it: pid {holder.pid} (" in message
-            assert "another-notebook), yours. End it (kill " + str(holder.pid) in message
-        finally:
-            holder.kill()
-            holder.wait()
-            holder.stdout.close()
+    with fake_tpu_host(ip, "v4-8", chip_files=True), held("/dev/accel3", "another-notebook") as holder:
+        message = refusal(spawn)
+        assert f"the TPU is held by another process, so no rank can open it: pid {holder.pid} (" in message
+        assert "another-notebook), yours. End it (kill " + str(holder.pid) in message
 
 
 def test_failures_at_start_say_what_failed_in_torch_xlas_words_first(ip, spawn):
