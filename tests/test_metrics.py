@@ -181,6 +181,50 @@ def test_a_value_changed_in_place_after_it_was_logged_is_dropped_and_said_once(k
     assert sorted(said) == ["0", "1"]  # once per rank
 
 
+HELD_UP_READ = """%%xla_spawn
+import threading, torch, torch_xla
+reading, go_on, callers = threading.Event(), threading.Event(), []
+transfer = torch_xla._XLAC._xla_get_cpu_tensors
+
+def held_up(tensors):  # a read that waits, as one waits for the device's current graph to end
+    callers.append(threading.get_ident())
+    reading.set()
+    go_on.wait(60)
+    return transfer(tensors)
+
+torch_xla._XLAC._xla_get_cpu_tensors = held_up
+try:
+    value, steps = torch.zeros((), device=device), 0
+    while not reading.is_set() and steps < 10_000:
+        value = value + 1
+        log(v=value)
+        torch_xla.sync()
+        steps += 1
+    for _ in range(5):  # the cell's thread goes on while its read waits
+        value = value + 1
+        log(v=value)
+        torch_xla.sync()
+        steps += 1
+    went_on = not go_on.is_set()
+    go_on.set()
+finally:
+    torch_xla._XLAC._xla_get_cpu_tensors = transfer
+(steps, went_on, threading.get_ident() in callers)
+"""
+
+
+def test_a_read_that_waits_for_the_device_does_not_hold_up_the_cells_thread(kernel):
+    cell = Cell(kernel, HELD_UP_READ)
+    assert cell.reply["status"] == "ok", cell.text
+    results = re.findall(r"\((\d+), (True|False), (True|False)\)", cell.text)
+    assert len(results) == 2, cell.text
+    for steps, went_on, read_on_the_cells_thread in results:
+        assert read_on_the_cells_thread == "False" and went_on == "True"
+    table = values(kernel)  # every value, the held-up read's too
+    for rank, (steps, _, _) in enumerate(results):
+        assert sorted(step for r, step in zip(table["rank"], table["step"]) if r == rank) == list(range(int(steps)))
+
+
 def test_the_chart_redraws_a_few_times_a_second_however_fast_the_ranks_log(kernel):
     cell = Cell(kernel, "%%xla_spawn\nimport time\nstart = time.monotonic()\ncalls = 0\n"
                         "while time.monotonic() - start < 2.0:\n    log(calls=calls)\n    calls += 1\ncalls")

@@ -10,14 +10,14 @@ runs in ``torch_xla.sync()`` (``xm.mark_step`` calls it) after the step's
 graph was launched, and notes that what was held before that sync now has
 its data. Those values are read later, in one transfer
 (``_xla_get_cpu_tensors``) for READ_AT of them or when the rank sends a
-batch, once a later sync launched the next step's graph: the device runs
-graphs in order, so theirs has run (or nearly), and the device has the next
-step's to run meanwhile. They are not held longer: torch_xla walks every
-live device tensor at each sync, so each one held makes every step of the
-cell slower (about 0.7 us a tensor a sync on a CPU host; holding a 0.2 s
-batch of a fast loop's values cost it 9 %). That transfer is the logger's
-own, not the cell's: the cell's XLA account (xla_account.py) takes it off,
-as it takes off the CPU simulation's copies.
+batch, once a later sync launched the next step's graph (so theirs has run,
+unless the host runs ahead of the device). The read happens on a thread of
+its own (metric_reader.py): a read waits for the value's graph to end, and
+the cell's thread must not wait for the device. They are not held longer: torch_xla
+walks every live device tensor at each sync, so each one held makes every
+step of the cell slower (about 0.5 us a tensor a sync on a CPU host). That
+transfer is the logger's own, not the cell's: the cell's XLA account
+(xla_account.py) takes it off, as it takes off the CPU simulation's copies.
 
 Values travel to the kernel as one METRICS event per batch (rows of
 ``(step, name, value, time)``), at most every FLUSH_SECONDS and at the
@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 import torch
 
+from xla_magic.launcher import metric_reader
 from xla_magic.wire import protocol
 
 FLUSH_SECONDS = 0.2  # the longest a logged value waits on the rank before it is sent
@@ -79,6 +80,7 @@ class Logger:
         self.told_changed = False  # the rank said that a value changed in place after it was logged
         self.sent = time.monotonic()
         self.board = Board(None, rank)
+        self.reader = metric_reader.Reader(lambda held: _read(held, counted=True))
         _loggers.logger = _process_logger = self
         if namespace is not None:
             namespace.setdefault("log", log)
@@ -96,7 +98,7 @@ class Logger:
             ended = True
         finally:
             try:  # a cell that raised (an interrupt) runs no graph for what it logged last: that is dropped
-                self.flush(everything=ended)
+                self.flush(ending=True, everything=ended)
             finally:
                 self.seq = None
                 self.waiting, self.launched, self.ran = [], [], []
@@ -120,7 +122,9 @@ class Logger:
             if isinstance(value, _Tensor) and value.is_xla:
                 if value.numel() != 1 or value.is_complex():
                     _check_tensor(name, value)
-                if value._is_view():  # see _device_value
+                if value._is_view():
+                    # torch_xla regenerates a view (model.weight[0, 0]) from its base when read: once the optimizer
+                    # changed the base, reading it would run the pending graph. Its copy is computed with the step.
                     value = value.detach().clone()
                 waiting.append((step, name, value, now, value._version))
             else:
@@ -141,29 +145,28 @@ class Logger:
         self.launched, self.waiting = self.waiting, []
         if self.seq is None:
             return
-        if time.monotonic() - self.sent >= FLUSH_SECONDS:
+        if _monotonic() - self.sent >= FLUSH_SECONDS:
             self.flush()
         elif len(self.ran) >= READ_AT:
             self.read()
 
     def read(self) -> None:
-        """Read what has run (one transfer); it is sent with the next batch."""
+        """Hand what has run to the reader thread (one transfer there); it is sent with a later batch."""
         held, self.ran = self.ran, []
         held = self._unchanged(held, at_end=False)
         if held:
-            self.rows += _read(held, counted=True)
+            self.reader.submit(held)
 
-    def flush(self, everything: bool = False) -> None:
-        """Send what is read so far as one METRICS event; ``everything``: the cell's end, read what the last sync
-        launched and what no sync launched too."""
-        held, self.ran = self.ran, []
+    def flush(self, ending: bool = False, everything: bool = False) -> None:
+        """Send what is read so far as one METRICS event. ``ending``: the cell's end, every value handed to the
+        reader is sent; ``everything``: and what the last sync launched and what no sync launched, read here."""
+        self.read()
+        self.rows += self.reader.drain() if ending else self.reader.take()
         if everything:
-            held += self.launched + self.waiting
-            self.launched, self.waiting = [], []
-        if held:
-            held = self._unchanged(held, at_end=everything)
-        if held:
-            self.rows += _read(held, counted=not everything or not any(_need_graphs(held)))
+            held, self.launched, self.waiting = self.launched + self.waiting, [], []
+            held = self._unchanged(held, at_end=True)
+            if held:
+                self.rows += _read(held, counted=not any(_need_graphs(held)))
         self.sent = time.monotonic()
         if not self.rows or self.seq is None:
             return
@@ -256,23 +259,11 @@ def _read(held: list[Held], counted: bool) -> list[tuple[int, str, float, float]
 
 
 def check(name: str, value: Any) -> None:
-    """TypeError or ValueError unless ``value`` is one real number that log() takes."""
-    if _device_value(name, value) is None:
+    """TypeError or ValueError unless ``value`` is one real number that log() takes (nothing is read or copied)."""
+    if isinstance(value, torch.Tensor) and value.is_xla:
+        _check_tensor(name, value)
+    else:
         _number(name, value)
-
-
-def _device_value(name: str, value: Any) -> Any:
-    """An XLA tensor, checked to hold one number; else None.
-
-    Held as it is (a copy would be a graph output of its own), but for a view
-    (``model.weight[0, 0]``): torch_xla regenerates a view from its base when
-    read, so once the base changed (the optimizer's step) reading it would run
-    the pending graph. Its copy is taken now, and computed with the step.
-    """
-    if not isinstance(value, torch.Tensor) or not value.is_xla:
-        return None
-    _check_tensor(name, value)
-    return value.detach().clone() if value._is_view() else value
 
 
 def _check_tensor(name: str, value: Any) -> None:
