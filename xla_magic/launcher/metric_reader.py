@@ -4,11 +4,13 @@ A read of an XLA tensor waits until the graph that computed it has run. A
 sync launches its graph without waiting for the one before, so the host may
 run ahead of the device by more than a step, and a value logged two syncs
 ago may still be computing: read on the rank's main thread, it stopped the
-cell until the device caught up, a host sync in effect. In a 4-rank pool of
-the CPU simulation that was about 10 ms a read, and the ranks waiting at each
-other's all-reduce made it every rank's. Here the wait and the transfer
-happen on a reader thread, with the GIL released (torch_xla releases it for
-both), while the main thread goes on.
+cell until the device caught up, a host sync in effect (one process of the
+CPU simulation: 255 ms, for a 250 ms graph launched after the value's own).
+In a 4-rank pool of the CPU simulation on 2 shared cores a read stopped the
+cell about 10 ms, and the ranks waiting at each other's all-reduce made it
+every rank's. Here the wait and the transfer happen on a reader thread, with
+the GIL released (torch_xla releases it for both), while the main thread
+goes on.
 
 What is handed over was checked on the main thread: nothing changed it after
 it was logged, and its graph has run, so reading it runs no graph. The reader
@@ -58,7 +60,7 @@ class Reader:
         """Every row handed over, once read (the end of a cell: what it logged is all sent)."""
         with self.lock:
             while self.pending:
-                self.done.wait()
+                self.done.wait(0.1)  # in turns: an interrupt sent to a rank's thread lands between them
             rows, self.rows = self.rows, []
         return rows
 
