@@ -22,6 +22,7 @@ import contextlib
 import os
 import pickle
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -284,11 +285,13 @@ def _all_gather_bytes(state: Simulation, group: Any, blob: bytes, seq: int, call
 
 
 def _wait(state: Simulation, work: Any, seq: int, call: str) -> None:
-    """``work.wait()``, looking every 0.2 s for a rank that ended instead."""
-    delay, looked = 0.0, time.monotonic()
-    while not work.is_completed():
-        time.sleep(delay)
-        delay = min(max(2 * delay, 1e-4), 0.01)
+    """``work.wait()``, looking every 0.2 s for a rank that ended instead. Woken by the work's own completion,
+    not by polling it: a poll that backs off wakes up to its last sleep late (it was up to 10 ms), and in a
+    pool whose ranks take turns on few cores every rank a little late at a collective made it that much later."""
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _future: done.set())
+    looked = time.monotonic()
+    while not done.wait(0.05):  # in turns: an interrupt sent to a rank's thread lands between them
         if time.monotonic() - looked > 0.2:
             _check_peers(state, seq, call)
             looked = time.monotonic()
