@@ -167,7 +167,7 @@ def overhead_rows(times: dict[str, list[float]], cpu: dict[str, list[float]]) ->
         rows.append((f"{what}, {STEPS} steps, {RANKS}-rank pool, through a real kernel (median of {ROUNDS[cell]})",
                      ours * 1000, theirs * 1000, "ms",
                      f"baseline: the same cell without log, in the same rounds; median of the rounds' ratios "
-                     f"{ratio:.3f} (half the rounds between {spread}); log adds {added:.0f} us a step ({theirs * 1e6 / STEPS:.0f} us without it); "
+                     f"{ratio:.3f} (half the rounds between {spread}), of the medians {ours / theirs:.3f}; log adds {added:.0f} us a step ({theirs * 1e6 / STEPS:.0f} us without it); "
                      f"a rank's CPU: {cpu_ours * 1e6 / STEPS:.0f} us a step with log, {cpu_theirs * 1e6 / STEPS:.0f} "
                      f"us without, ratio {cpu_ratio:.3f}, log's own {cpu_added:.0f} us a step; target: at most 1.02"))
     return rows
