@@ -13,9 +13,10 @@ its data. Those values are read later, in one transfer
 batch, once a later sync launched the next step's graph (so theirs has run,
 unless the host runs ahead of the device). The read happens on a thread of
 its own (metric_reader.py): a read waits for the value's graph to end, and
-the cell's thread must not wait for the device. They are not held longer: torch_xla
-walks every live device tensor at each sync, so each one held makes every
-step of the cell slower (about 0.5 us a tensor a sync on a CPU host). That
+the cell's thread must not wait for the device. They are not held longer:
+torch_xla walks every live device tensor at each sync, so each one held
+makes every step of the cell slower (about 0.5 us a tensor a sync on a CPU
+host). That
 transfer is the logger's own, not the cell's: the cell's XLA account
 (xla_account.py) takes it off, as it takes off the CPU simulation's copies.
 
