@@ -115,7 +115,7 @@ print("xla_magic", importlib.metadata.version("xla_magic"), "installed; runtime 
 import importlib.metadata
 import os
 
-from xla_magic import probe
+from xla_magic.ranks import probe
 
 
 def version(name):

@@ -120,7 +120,7 @@ def spawn(ip):
 
     def run(line: str, cell: str, **user_ns: Any) -> CellRun:
         ip.user_ns.update(user_ns)
-        from xla_magic import profile_view
+        from xla_magic.notebook import profile_view
 
         with capture_output() as captured:
             value = ip.run_cell_magic("xla_spawn", line, cell)
@@ -228,9 +228,9 @@ def nothing_left(request):
                 shell.user_ns.pop(name, None)
     session = after["session"]
     if session is not None and session is before["session"]:
-        from xla_magic import widget
+        from xla_magic.notebook import status
 
-        panel = widget._panels.get(session)
+        panel = status._panels.get(session)
         ours = [panel.on_record] if panel is not None else []  # the status panel's own, once it is shown
         added = [f for f in after["listeners"] if f not in before["listeners"] and f not in ours]
         removed = [f for f in before["listeners"] if f not in after["listeners"]]

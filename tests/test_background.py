@@ -147,6 +147,23 @@ def test_a_background_cell_frees_the_notebook_and_its_lines_stay_under_it(nb, tm
     assert "done" in text and "last: [rank" in text and "step 3" in text
 
 
+def test_a_capture_cell_meanwhile_takes_none_of_the_runs_lines_from_its_log(nb, tmp_path):
+    # %%capture swaps the kernel's streams for its own while it runs: the run's lines still reach the run's log (the
+    # run writes to its sink, not to whatever sys.stdout is now) and its own cell, never the capture.
+    marker = str(tmp_path / "go")
+    started, _ = nb.run(gated(marker, 1, 3))
+    nb.read_until(lambda: steps(nb.under(started, True), 0) == [0] and steps(nb.under(started, True), 1) == [0])
+    capturing, text = nb.run(f"%%capture captured\nopen({marker!r}, 'w').close()\nrun.wait()")
+    assert text == ""
+    _, captured = nb.run("print(repr(captured.stdout))")
+    assert "step" not in captured, captured
+    _, path = nb.run("print(run.path)")
+    logged = run_log.text(run_log.read(path.strip()))
+    assert steps(logged, 0) == [0, 1, 2, 3] and steps(logged, 1) == [0, 1, 2, 3], logged
+    nb.read_until(lambda: "every line it showed is kept in" in nb.under(started))
+    assert steps(nb.under(started, True), 1) == [0, 1, 2, 3] and "step" not in nb.under(capturing)
+
+
 def test_a_client_that_stopped_reading_loses_nothing_a_new_one_replays_every_line_once(kernel, nb, tmp_path):
     marker = str(tmp_path / "go")
     started, shown = nb.run(gated(marker, 5, 5))

@@ -22,7 +22,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from helpers import Kernel, pool_magic, spawn_cell, strip_ansi
-from xla_magic import compile_cache
+from xla_magic.cell import compile_cache
 
 CELL = "import torch\nx = torch.ones(4, device=device) * 3 + rank\nx.sum().item()"
 # What torch_xla writes when it cannot use the cache (XLA:CPU's load failure, a failed write), and ours.

@@ -10,7 +10,8 @@ from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
 from helpers import cell_name_aside, strip_ansi
-from xla_magic.display import CellSyntaxError, RankError
+from xla_magic.notebook.syntax_error import CellSyntaxError
+from xla_magic.runs.errors import RankError
 
 HELLO = """
 import torch
@@ -201,7 +202,7 @@ def test_strategy_from_the_package_is_the_rank_strategy(spawn):
 
 def test_strategy_in_the_kernel_refuses_clearly():
     from xla_magic import strategy
-    from xla_magic.kernel_strategy import OutsideSpawnError
+    from xla_magic.notebook.strategy import OutsideSpawnError
 
     with pytest.raises(OutsideSpawnError, match="inside a %%xla_spawn cell"):
         strategy.root_device
@@ -280,7 +281,7 @@ def test_a_cell_ending_in_print_shows_no_list_of_nones(ip, spawn):
 
 
 def test_libtpu_in_the_kernel_is_seen_in_its_memory_map(tmp_path):
-    from xla_magic import probe
+    from xla_magic.ranks import probe
 
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f10 r-xp 0 08:01 42 /usr/lib/python3/site-packages/libtpu/libtpu.so\n")
@@ -294,7 +295,7 @@ def test_progress_updates_keep_only_the_live_part_of_a_line():
     import io
     from contextlib import redirect_stdout
 
-    from xla_magic.display import TaggedOutput
+    from xla_magic.runs.output import TaggedOutput
 
     output = TaggedOutput()
     shown = io.StringIO()

@@ -18,8 +18,8 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from helpers import Kernel, Terminal, alive, kernel_with_pool, wait_for, wait_gone
-from xla_magic import stacks
-from xla_magic.display import RankError
+from xla_magic.runs import stacks
+from xla_magic.runs.errors import RankError
 
 
 @pytest.fixture(scope="module")

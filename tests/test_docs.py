@@ -271,9 +271,9 @@ def test_defaults_written_in_prose_are_the_code_s():
     generated; these are not): the hang delay, the launch template, the profile's line period, the heartbeats
     that notice a vanished controller, the simulation's device counts."""
     from xla_magic.hosts.discovery import DEFAULT_TEMPLATE
-    from xla_magic.pools.across_hosts import HEARTBEAT_MS, MISSES
-    from xla_magic.probe import CPU_SIMULATION_MAX
-    from xla_magic.run.watch import HANG_AFTER
+    from xla_magic.hosts.pool import HEARTBEAT_MS, MISSES
+    from xla_magic.ranks.probe import CPU_SIMULATION_MAX
+    from xla_magic.runs.watch import HANG_AFTER
 
     said = re.search(r"`--hang-after SECONDS` on .*?\(default (\d+(?:\.\d+)?) s", prose("stuck-cells"), re.DOTALL)
     assert said and float(said.group(1)) == HANG_AFTER, said
@@ -362,7 +362,7 @@ def fragments(message: str) -> list[str]:
 
 
 def test_each_troubleshooting_message_is_real():
-    from xla_magic.display import known_problem
+    from xla_magic.runs.errors import known_problem
 
     source = source_text()
     messages = troubleshooting_messages()
@@ -377,7 +377,7 @@ def test_each_troubleshooting_message_is_real():
 
 
 def test_each_known_problem_is_in_troubleshooting():
-    from xla_magic.display import KNOWN_PROBLEMS
+    from xla_magic.runs.errors import KNOWN_PROBLEMS
 
     messages = troubleshooting_messages()
     for pattern, advice in KNOWN_PROBLEMS:
@@ -400,7 +400,7 @@ def linked_entries() -> dict[str, list[str]]:
 
 
 def test_each_message_links_to_an_entry_that_exists():
-    from xla_magic.troubleshooting import PAGES
+    from xla_magic.notebook.troubleshooting import PAGES
 
     assert PAGES[-1] == DOCS / "troubleshooting.md"
     anchors = {anchor for _, anchor in troubleshooting_entries()}
@@ -411,7 +411,7 @@ def test_each_message_links_to_an_entry_that_exists():
 
 
 def test_each_known_problem_links_to_the_entry_for_its_message():
-    from xla_magic.display import KNOWN_PROBLEMS
+    from xla_magic.runs.errors import KNOWN_PROBLEMS
 
     entries = {anchor: message for message, anchor in troubleshooting_entries()}
     for pattern, advice in KNOWN_PROBLEMS:
@@ -424,7 +424,7 @@ def test_each_known_problem_links_to_the_entry_for_its_message():
 
 def test_a_refusal_names_its_entry(monkeypatch):
     """A real refusal on this machine (no TPU chips): --backend tpu without PJRT_DEVICE."""
-    from xla_magic import probe
+    from xla_magic.ranks import probe
 
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     assert probe.find_tpu() is None
@@ -457,7 +457,7 @@ def entry_text(anchor: str) -> tuple[str, str]:
 
 def test_every_entry_a_message_names_is_shown_by_the_line_it_gives(ip):
     """Each see(ID) in the code gives a line (%xla_help ID) that shows the entry's text in the cell."""
-    from xla_magic.troubleshooting import see
+    from xla_magic.wire.help import see
 
     for anchor in linked_entries():
         line = re.fullmatch(r"(%xla_help [a-z0-9-]+) says more\.", see(anchor)).group(1)
@@ -497,7 +497,7 @@ def test_an_error_s_advice_is_readable_in_the_cell(ip, monkeypatch, anchor):
 
 def known_problem_cases() -> list[tuple[str, str, str]]:
     """(entry id, the entry's message, the advice) of every known problem a rank's error can carry."""
-    from xla_magic.display import KNOWN_PROBLEMS
+    from xla_magic.runs.errors import KNOWN_PROBLEMS
 
     entries = {anchor: message for message, anchor in troubleshooting_entries()}
     cases = []

@@ -25,7 +25,7 @@ from IPython.utils.capture import capture_output
 from helpers import (assert_nothing_left, extension_processes, interrupt_once_shown, shown, strip_ansi, wait_for,
                      wait_gone, when)
 from xla_magic.wire import protocol
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 def assert_next_cell_works(spawn) -> None:
     assert spawn("--devices 2", "rank + 1").value == [1, 2]

@@ -25,7 +25,7 @@ import torch
 
 from conftest import kernel_is_xla_free
 from helpers import strip_ansi
-from xla_magic.display import RankError
+from xla_magic.runs.errors import RankError
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("transformers") is None,

@@ -15,7 +15,7 @@ from tests.hosts_fixtures import (RANKS_PER_HOST, controllers_on, group_members,
                                   wait_until_empty)
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
 from helpers import interrupt_once_shown, pool_magic, shown, wait_for, when
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 WORLD = 2 * RANKS_PER_HOST
 
@@ -164,10 +164,10 @@ def test_a_fresh_cell_spawns_one_new_world_across_every_host_and_the_pool_goes_o
 
 def test_the_panel_s_interrupt_button_stops_the_cell_on_every_host(ip, pool):
     from tests.test_widget import history_rows, rank_rows
-    from xla_magic import widget
+    from xla_magic.notebook import status
 
     session = ip._xla_magic_session
-    panel = widget.status_panel(session)
+    panel = status.status_panel(session)
     seen_running: list[str] = []
 
     def press_when_running(record) -> None:

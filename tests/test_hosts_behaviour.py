@@ -215,7 +215,7 @@ def test_the_kernel_s_directory_path_and_environment_reach_every_host_as_on_one_
 
 
 def test_a_directory_the_hosts_lack_is_an_error_naming_each_host(ip, pool, hosts, kernel_place):
-    from xla_magic.display import RankError
+    from xla_magic.runs.errors import RankError
 
     only_here = f"/tmp/xla_magic-place-{uuid.uuid4().hex[:8]}"  # the kernel's /tmp: no host has it
     os.makedirs(only_here)
@@ -247,7 +247,7 @@ seen(5)
 def test_a_profiled_cell_records_every_rank_on_every_host_and_brings_its_files_to_the_kernel(ip, pool, hosts):
     from test_profile import check_lines, file_events, seen
 
-    from xla_magic import profile_view
+    from xla_magic.notebook import profile_view
 
     ip.user_ns["seen"] = seen
     _, out, _ = cell(ip, PROFILED, line="--profile")
@@ -304,7 +304,7 @@ def test_a_profiled_cell_records_every_rank_on_every_host_and_brings_its_files_t
 def test_a_fresh_profiled_cell_on_every_host_brings_every_rank_s_trace(ip, pool, hosts):
     from test_profile import file_events
 
-    from xla_magic import profile_view
+    from xla_magic.notebook import profile_view
 
     value, _, _ = cell(ip, "import torch, torch_xla\ny = (torch.ones(8, device=device) + rank).sum()\ntorch_xla.sync()\n"
                            "y.item()", line="--fresh --profile")

@@ -19,8 +19,8 @@ from IPython.utils.capture import capture_output
 
 from helpers import Kernel, Listening, Terminal, pool_magic, press_stop
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module, start_line, wait_until_empty  # noqa: F401
-from xla_magic import widget
-from xla_magic.display import DebuggerQuit, RankError, RunInterrupted
+from xla_magic.notebook import status
+from xla_magic.runs.errors import DebuggerQuit, RankError, RunInterrupted
 from xla_magic.hosts import link
 
 HOSTS_TAG = 6  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
@@ -51,7 +51,7 @@ def test_breakpoint_on_h1_r2_p_and_c_while_the_panel_says_in_the_debugger(ip, po
 
     def look() -> None:  # at the prompt, as a person looks at the panel
         record = session.history[-1]
-        seen.append((record.ranks[2].where, widget.ranks_html(record)))
+        seen.append((record.ranks[2].where, status.ranks_html(record)))
 
     terminal = Terminal({"[h1 r2] (Pdb) ": ["p step", "p rank", "c"]}, before_each=look)
     monkeypatch.setattr(sys, "stdin", terminal)

@@ -19,9 +19,9 @@ from IPython.utils.capture import capture_output
 
 from helpers import Listening, stacks_with_a_thread_left
 from tests.hosts_fixtures import hosts, pool, pool_of_the_module  # noqa: F401 (fixtures)
-from xla_magic import widget
-from xla_magic.display import RunInterrupted
-from xla_magic.record import RunRecord
+from xla_magic.notebook import status
+from xla_magic.runs.errors import RunInterrupted
+from xla_magic.runs.record import RunRecord
 
 HOSTS_TAG = 5  # this module's hosts' names and addresses (tests/hosts_fixtures.py)
 HANG_AFTER = 2.0
@@ -40,7 +40,7 @@ def test_the_watchdog_names_every_rank_on_every_host_while_the_cell_runs(ip, poo
         if record.hang and "hang" not in seen:
             seen["hang"] = record.hang
             seen["states"] = {rank: state.state for rank, state in record.ranks.items()}
-            seen["panel"] = widget.ranks_html(record)
+            seen["panel"] = status.ranks_html(record)
             record.interrupt_requested = True  # as the panel's Interrupt button does
 
     with Listening(ip._xla_magic_session, listener), capture_output() as shown, pytest.raises(RunInterrupted):

@@ -50,7 +50,7 @@ def test_collectives_span_the_three_hosts_as_one_world(ip, pool):
 
 
 def test_every_line_past_the_fold_is_in_a_log_per_global_rank_the_notebook_can_open(ip, pool):
-    from xla_magic.display import DEFAULT_LINES_PER_RANK
+    from xla_magic.runs.output import DEFAULT_LINES_PER_RANK
 
     lines = DEFAULT_LINES_PER_RANK + 200
     _, out = cell(ip, f"for i in range({lines}):\n    print(f'line {{i}} of {{rank}}')")

@@ -15,7 +15,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from helpers import Terminal, pool_magic, stop_on_record, the_watchdog_spoke
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 from tests.hosts_fixtures import hosts, launch_template  # noqa: F401 (fixtures)
 
 HOSTS = 2

@@ -27,7 +27,7 @@ import time
 import pytest
 from IPython.core.error import UsageError
 
-from helpers import Kernel, pool_magic
+from helpers import Kernel, pool_magic, wait_gone
 from xla_magic.pools import kept as kept_pools
 from xla_magic.runs import log as run_log
 from xla_magic.wire import kept
@@ -63,16 +63,12 @@ def pools_home(tmp_path_factory, monkeypatch):
             pid = record.get("pid")
             if pid and kept.process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-            wait_gone(pid)
+            gone(pid)
 
 
-def wait_gone(pid: int | None) -> bool:
-    deadline = time.monotonic() + WAIT
-    while kept.process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def gone(pid: int | None) -> bool:
+    """``pid`` (a kept pool's launcher, say) ended within WAIT (None: there was none)."""
+    return not pid or wait_gone([pid], WAIT) == []
 
 
 def ok(kernel: Kernel, code: str) -> str:
@@ -121,14 +117,14 @@ def test_a_restart_keeps_names_a_model_and_compiled_graphs(pools_home):
 
         # A SIGKILL of the kernel leaves it too; a new kernel attaches as well.
         os.kill(first.pid, signal.SIGKILL)
-        wait_gone(first.pid)
+        gone(first.pid)
         second = Kernel()
         ok(second, "%load_ext xla_magic")
         ok(second, "%xla_pool attach model")
         assert ok(second, "%%xla_spawn\nsteps += 1\nsteps").strip() == "[4, 4]"
         stopped = ok(second, "%xla_pool stop model")
         assert "kept pool model stopped" in stopped or "pool stopped" in stopped, stopped
-        assert wait_gone(pid) and not any(kept.process_alive(rank) for rank in rank_pids)
+        assert gone(pid) and not any(kept.process_alive(rank) for rank in rank_pids)
         assert kept.names() == [] and (pools_home / "xla_magic" / "pools" / "model.log").exists()
     finally:
         first.close()
@@ -174,7 +170,7 @@ def test_a_pool_nobody_attaches_ends_itself_and_says_so(pools_home):
         assert kept.process_alive(pid)  # attached: no expiry while a kernel holds it
     finally:
         kernel.close()  # the kernel goes; the pool waits --keep-idle, then ends itself
-    assert wait_gone(pid), "the idle pool's launcher did not end"
+    assert gone(pid), "the idle pool's launcher did not end"
     log = (pools_home / "xla_magic" / "pools" / "idle.log").read_text()
     assert "idle: no kernel attached for" in log and "--keep-idle 1" in log and "ending it" in log, log
     assert kept.names() == []
@@ -286,7 +282,7 @@ def test_a_kept_pool_restarts_kept_and_stops_from_the_kernel_attached(ip, pools_
         first = launcher_pid("again")
         restarted = pool_magic(ip, "restart")
         assert "kept as again" in restarted, restarted
-        assert launcher_pid("again") != first and wait_gone(first)
+        assert launcher_pid("again") != first and gone(first)
         assert kept.read_record("again")["idle_limit"] == 600  # as before
         assert "attached to this kernel" in pool_magic(ip, "list")
     finally:
@@ -313,7 +309,7 @@ def test_a_cell_running_when_its_kernel_is_killed_goes_on_and_the_next_kernel_fo
             if message["msg_type"] == "stream":
                 seen += message["content"]["text"]
         os.kill(first.pid, signal.SIGKILL)
-        assert wait_gone(first.pid)
+        assert gone(first.pid)
         second = Kernel()
         ok(second, "%load_ext xla_magic")
         assert "running run 2 (%%xla_spawn" not in ok(second, "%xla_pool list")  # (the cell's first line is its own)

@@ -22,14 +22,14 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
-from xla_magic import launcher_client
-from xla_magic.pools import policy
+from xla_magic.ranks import launcher_client
+from xla_magic.ranks import policy
 from xla_magic.wire import protocol, transport
-from xla_magic.pools.interface import Cell
-from xla_magic.ranks import Ranks
-from xla_magic.run import stopping
-from xla_magic.runner import plan
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.cell.options import Cell
+from xla_magic.ranks.ranks import Ranks
+from xla_magic.runs import stopping
+from xla_magic.runs.runner import plan
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 
 def own_sockets() -> set[str]:

@@ -14,7 +14,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from helpers import DETACHED, alive, pool_magic, wait_gone
-from xla_magic.display import RankError
+from xla_magic.runs.errors import RankError
 
 def test_everything_a_one_shot_cell_starts_ends_with_it(spawn):
     run = spawn("--devices 2", DETACHED)  # it returns: what the cell started does not hold the ranks' output open
@@ -97,7 +97,7 @@ def test_a_pool_whose_launcher_died_says_so(ip, spawn):
 
 
 def test_a_stopped_rank_shows_as_stopped_while_the_cell_waits(ip, spawn):
-    from xla_magic import widget
+    from xla_magic.notebook import status
 
     session = ip._xla_magic_session
     seen: list[str] = []
@@ -105,7 +105,7 @@ def test_a_stopped_rank_shows_as_stopped_while_the_cell_waits(ip, spawn):
     def listener(record):
         state = record.ranks.get(1)
         if state is not None and state.state == "stopped" and not seen:
-            seen.append(widget.status_panel(session).ranks.value)
+            seen.append(status.status_panel(session).ranks.value)
 
     session.listeners.append(listener)
     try:

@@ -19,7 +19,7 @@ import torch
 
 from conftest import kernel_is_xla_free
 from helpers import Kernel, interrupt_when
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 SAMPLES, EPOCHS, LR = 16, 3, 0.1
 

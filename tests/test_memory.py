@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import execute, notebook, pool_magic, shown_error, strip_ansi, text_of, wait_for
-from xla_magic.display import RankError
+from xla_magic.runs.errors import RankError
 
 GIB = 1 << 30
 
@@ -82,7 +82,7 @@ expected
 
 
 def test_xla_memory_names_parameters_gradients_and_optimizer_state_with_their_sizes(ip, spawn, pool):
-    from xla_magic.memory_view import human
+    from xla_magic.notebook.memory_view import human
 
     expected = spawn("", MODEL).value[0]
     with capture_output() as shown:
@@ -179,7 +179,7 @@ def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, 
 def test_xla_memory_answers_while_a_cell_runs_naming_the_cell_s_locals(ip, pool, tmp_path):
     """The ranks answer from their sampler thread while the cell waits; the running request hands the answers over."""
     from helpers import on_every_rank_running
-    from xla_magic import memory_view
+    from xla_magic.notebook import memory_view
 
     done = tmp_path / "done"
     got: dict = {}

@@ -231,7 +231,7 @@ def test_the_chart_redraws_a_few_times_a_second_however_fast_the_ranks_log(kerne
     assert cell.reply["status"] == "ok", cell.text
     calls = [int(n) for n in re.findall(r"\d+", cell.text.strip().splitlines()[-1])]
     assert len(calls) == 2 and min(calls) > 1000  # thousands of values logged by each rank
-    from xla_magic import metrics_view
+    from xla_magic.notebook import metrics_view
 
     # The first drawing, then at most one every REDRAW_SECONDS, and the last at the end.
     assert 2 <= len(cell.charts) <= cell.seconds / metrics_view.REDRAW_SECONDS + 2

@@ -18,8 +18,9 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from xla_magic import place
-from xla_magic.display import CellSyntaxError, RankError
+from xla_magic.cell import place
+from xla_magic.notebook.syntax_error import CellSyntaxError
+from xla_magic.runs.errors import RankError
 
 PLACEMENTS = {
     "cpu": "--devices 2",
@@ -198,7 +199,7 @@ def test_a_syntax_error_among_magics_is_refused_with_the_cells_line(ip):
 
 
 def test_a_rank_error_after_magics_shows_the_cells_own_lines(ip):
-    from xla_magic.display import RankError
+    from xla_magic.runs.errors import RankError
 
     with pytest.raises(RankError) as info:
         run(ip, "--devices 2", "\n%time y = 1\nraise ValueError(f'bad {rank}')")

@@ -22,7 +22,7 @@ from IPython.core.inputtransformer2 import TransformerManager
 from IPython.core.magic_arguments import parse_argstring
 
 from helpers import strip_ansi
-from xla_magic.magics import XlaMagics
+from xla_magic.notebook.magics import XlaMagics
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"

@@ -23,11 +23,12 @@ from IPython.utils.capture import capture_output
 from conftest import BACKING, kernel_is_xla_free
 from helpers import (WITHIN, WRITE_MEET_READ, Kernel, alive, emptied, interrupt_once_written, interrupt_when,
                      main_thread_in, pool_magic, press_stop, shown, stopped, wait_for, wait_gone, when)
-from xla_magic import frame_writer
+from xla_magic.ranks import frame_writer
 from xla_magic.wire import transport
-from xla_magic.display import CellSyntaxError, RankError, RunInterrupted
-from xla_magic.ranks import Ranks
-from xla_magic.run.request import Request
+from xla_magic.notebook.syntax_error import CellSyntaxError
+from xla_magic.runs.errors import RankError, RunInterrupted
+from xla_magic.ranks.ranks import Ranks
+from xla_magic.runs.request import Request
 
 
 def pool_pids(ip) -> set[int]:

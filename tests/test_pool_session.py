@@ -21,7 +21,7 @@ import pytest
 
 from helpers import DETACHED, Kernel, pool_magic, strip_ansi, wait_gone, wait_zombie
 
-from xla_magic.display import RankError
+from xla_magic.runs.errors import RankError
 
 # A server in a process of its own: it says its port, then answers every GET with its pid.
 SERVER = """

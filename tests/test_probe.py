@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
-from xla_magic import probe
+from xla_magic.ranks import probe
 
 GOOGLE = probe.GOOGLE_PCI_VENDOR
 INTEL = "0x8086"

@@ -10,7 +10,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from helpers import PROFILED
-from xla_magic import profile_lanes, profile_view
+from xla_magic.notebook import profile_lanes, profile_view
 from xla_magic.wire import trace
 
 
@@ -99,9 +99,9 @@ def test_a_profiled_pool_cell_draws_each_rank_s_trace(ip, pool, spawn):
     # the panel marks the profiled run; %xla_profile shows it again
     from test_widget import history_rows
 
-    from xla_magic import widget
+    from xla_magic.notebook import status
 
-    panel = widget.status_panel(session)
+    panel = status.status_panel(session)
     panel.redraw()
     rows = {row["cells"][0]: row for row in history_rows(panel)}
     assert "profiled" in rows[str(record.run_id)]["cells"][1]
@@ -160,7 +160,7 @@ def test_rank_threads_of_one_process_share_one_trace(ip, spawn, monkeypatch):
     (None, "wrote no trace.json.gz"),
 ])
 def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, problem):
-    from xla_magic.record import RankState, RunRecord
+    from xla_magic.runs.record import RankState, RunRecord
 
     path = tmp_path / "vm.trace.json.gz"
     if content is not None:
@@ -175,7 +175,7 @@ def test_a_trace_that_cannot_be_read_is_said_not_raised(tmp_path, content, probl
 
 
 def test_a_failing_cell_still_shows_the_profile_of_the_rank_that_failed(ip, spawn):
-    from xla_magic.display import RankError
+    from xla_magic.runs.errors import RankError
 
     with capture_output() as shown, pytest.raises(RankError):
         ip.run_cell_magic("xla_spawn", "--devices 2 --profile",
@@ -408,7 +408,7 @@ def test_the_ranks_read_their_traces_only_once_the_kernel_is_done_with_the_cell(
     kernel = Kernel()
     try:
         # after_this_cell runs its function after the cell's idle status went: what it prints comes after it.
-        kernel.run("from xla_magic.profile_drawer import after_this_cell")
+        kernel.run("from xla_magic.runs.profile_drawer import after_this_cell")
         client, seen = kernel.client, []
         reply = client.execute_interactive("after_this_cell(lambda: print('after the cell', flush=True))",
                                            timeout=KERNEL_TIMEOUT, output_hook=seen.append)

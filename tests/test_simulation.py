@@ -9,7 +9,7 @@ import torch
 
 from conftest import assert_every_rank, kernel_is_xla_free
 from helpers import EACH_REFUSED, assert_refused
-from xla_magic.display import RankError
+from xla_magic.runs.errors import RankError
 
 # --- a data-parallel training cell written for a TPU ---------------------------
 

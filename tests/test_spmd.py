@@ -20,7 +20,8 @@ from IPython.core.error import UsageError
 
 from conftest import kernel_is_xla_free
 from helpers import FSDP_STEPS, FSDP_WRAP, reference_training
-from xla_magic import sharding
+from xla_magic.cell import sharding
+from xla_magic.notebook import sharding_view
 
 DEVICES = 8
 
@@ -404,7 +405,7 @@ def box_rows(text: str) -> list[list[str]]:
 
 
 def test_text_picture_of_a_tiled_tensor(described):
-    text = repr(sharding.ShardingView(described["tiled"]))
+    text = repr(sharding_view.ShardingView(described["tiled"]))
     assert text.splitlines()[0] == (
         "float32[8, 8] · mesh data=4 × model=2 · dim 0 over data, dim 1 over model · 32 B per device"
     )
@@ -419,13 +420,13 @@ def test_text_picture_of_a_tiled_tensor(described):
 
 
 def test_text_picture_of_replication_and_padding(described):
-    rows = repr(sharding.ShardingView(described["rows"]))
+    rows = repr(sharding_view.ShardingView(described["rows"]))
     assert "each block on 2 devices" in rows.splitlines()[0]
     assert box_rows(rows) == [["CPU 0-1 / 2×4"], ["CPU 2-3 / 2×4"], ["CPU 4-5 / 2×4"], ["CPU 6-7 / 2×4"]]
-    replicated = repr(sharding.ShardingView(described["replicated"]))
+    replicated = repr(sharding_view.ShardingView(described["replicated"]))
     assert "replicated on all 8 devices · 12 B per device" in replicated.splitlines()[0]
     assert box_rows(replicated) == [["all 8 / 3"]]
-    uneven = repr(sharding.ShardingView(described["uneven"]))
+    uneven = repr(sharding_view.ShardingView(described["uneven"]))
     assert box_rows(uneven) == [["CPU 0-1 / 6×2", "CPU 2-3 / 6×2", "CPU 4-5 / 6×1", "CPU 6-7 / padding"]]
     # Widths follow the block sizes: a 2-column block is wider than a 1-column one.
     top = uneven.splitlines()[1]
@@ -434,7 +435,7 @@ def test_text_picture_of_replication_and_padding(described):
 
 
 def test_text_picture_of_three_dimensions_is_one_grid_per_leading_block(described):
-    text = repr(sharding.ShardingView(described["cube"]))
+    text = repr(sharding_view.ShardingView(described["cube"]))
     assert "[0:2, :, :]" in text and "[2:4, :, :]" in text
     assert box_rows(text) == [
         ["CPU 0 / 2×2×1", "CPU 1 / 2×2×1"], ["CPU 2 / 2×2×1", "CPU 3 / 2×2×1"],
@@ -467,29 +468,29 @@ def test_html_picture_colours_each_block_by_its_device(described):
             if self.cell is not None:
                 self.cell["text"] += data + " "
 
-    view = sharding.ShardingView(described["tiled"])
+    view = sharding_view.ShardingView(described["tiled"])
     parser = Cells()
     parser.feed(view._repr_html_())
     labels = [[cell["text"].split()[:2] for cell in row] for row in parser.rows]
     assert labels == [[["CPU", str(2 * r)], ["CPU", str(2 * r + 1)]] for r in range(4)]
     colours = [cell["style"].split("background: ")[1].split(";")[0] for row in parser.rows for cell in row]
-    assert colours == list(sharding.PALETTE[:8])  # one colour per device, eight different
+    assert colours == list(sharding_view.PALETTE[:8])  # one colour per device, eight different
     assert parser.rows[0][1]["title"] == "CPU 1: [0:2, 4:8]"
 
     shared = Cells()
-    shared.feed(sharding.render_html(described["rows"]))
+    shared.feed(sharding_view.render_html(described["rows"]))
     colours = [cell["style"].split("background: ")[1].split(";")[0] for row in shared.rows for cell in row]
-    assert colours == [sharding.PALETTE[d] for d in (0, 2, 4, 6)]  # a block takes its first device's colour
+    assert colours == [sharding_view.PALETTE[d] for d in (0, 2, 4, 6)]  # a block takes its first device's colour
 
 
 def test_html_picture_escapes_what_it_shows(described):
     hostile = dict(described["tiled"], dtype="<script>", axis_names=["<b>", "m"])
-    text = sharding.render_html(hostile)
+    text = sharding_view.render_html(hostile)
     assert "<script>" not in text and "&lt;script&gt;" in text and "&lt;b&gt;=4" in text
 
 
 def test_html_widths_follow_the_block_sizes(described):
-    text = sharding.render_html(described["uneven"])
+    text = sharding_view.render_html(described["uneven"])
     widths = [int(part.split("%")[0]) for part in text.split('<col style="width: ')[1:]]
     assert widths[0] == widths[1] > widths[2] >= widths[3] > 0  # a padding-only block keeps room for its label
     assert "<b>CPU 6-7</b><br><small>padding</small>" in text
@@ -498,14 +499,14 @@ def test_html_widths_follow_the_block_sizes(described):
 def test_show_displays_html_in_a_notebook_and_text_elsewhere(described):
     from IPython.core.formatters import DisplayFormatter
 
-    data, _ = DisplayFormatter().format(sharding.ShardingView(described["tiled"]))
+    data, _ = DisplayFormatter().format(sharding_view.ShardingView(described["tiled"]))
     assert data["text/html"].startswith('<div class="xla-magic-sharding"')
     assert data["text/plain"].startswith("float32[8, 8] · mesh data=4")
 
 
 def test_a_view_of_something_else_says_what_it_takes():
     with pytest.raises(TypeError, match="describe_sharding"):
-        sharding.ShardingView({"shape": [2]})
+        sharding_view.ShardingView({"shape": [2]})
 
 
 def test_many_blocks_across_are_drawn_with_bare_device_ids(described):
@@ -513,10 +514,10 @@ def test_many_blocks_across_are_drawn_with_bare_device_ids(described):
         described["tiled"], shape=[64], devices=64, ranges=[[[i, i + 1] for i in range(64)]], grid=[[i] for i in range(64)],
         mesh_shape=[64], axis_names=["data"], partition=[["data"]],
     )
-    assert box_rows(repr(sharding.ShardingView(wide))) == [[f"{i} / 1" for i in range(64)]]
-    assert "width: 3072px" in sharding.render_html(wide)  # wider, not illegible
+    assert box_rows(repr(sharding_view.ShardingView(wide))) == [[f"{i} / 1" for i in range(64)]]
+    assert "width: 3072px" in sharding_view.render_html(wide)  # wider, not illegible
 
 
 def test_a_description_is_recognised_among_other_values(described):
-    assert sharding.is_description(described["tiled"]) and sharding.is_description(described["cube"])
-    assert not sharding.is_description({"shape": [2]}) and not sharding.is_description([described["tiled"]])
+    assert sharding_view.is_description(described["tiled"]) and sharding_view.is_description(described["cube"])
+    assert not sharding_view.is_description({"shape": [2]}) and not sharding_view.is_description([described["tiled"]])

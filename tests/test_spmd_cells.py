@@ -20,8 +20,8 @@ from IPython.core.error import UsageError
 
 from conftest import kernel_is_xla_free
 from helpers import execute, interrupt_once_written, notebook, pool_magic, spawn_cell, stream, strip_ansi
-from xla_magic import sharding
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.cell import sharding
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 ROOT = Path(__file__).resolve().parent.parent
 

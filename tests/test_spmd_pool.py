@@ -21,7 +21,7 @@ from conftest import BACKING
 from helpers import (FSDP_STEPS, FSDP_WRAP, interrupt_once_written, pool_magic, reference_training, spawn_cell,
                      strip_ansi)
 from xla_magic.wire import transport
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 
 

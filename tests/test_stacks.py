@@ -126,7 +126,7 @@ def test_the_launcher_reports_the_versions_this_stack_has(ip, spawn):
 def test_the_compile_cache_default_on_a_tpu_follows_this_stack_s_torch_xla():
     # Kaggle's torch_xla 2.8 and Colab's 2.9 (and the current 2.9) cannot load their persistent cache on a TPU
     # (pytorch/xla#9094): there the default is off, read from the installed metadata, nothing imported.
-    from xla_magic import compile_cache
+    from xla_magic.cell import compile_cache
 
     installed = version("torch_xla")[:2]
     if installed not in ((2, 8), (2, 9)):

@@ -18,9 +18,10 @@ from IPython.utils.capture import capture_output
 
 from helpers import (KERNEL_TIMEOUT, Kernel, Listening, stacks_with_a_thread_left, stop_on_record, strip_ansi,
                      the_watchdog_spoke)
-from xla_magic import stacks, widget
-from xla_magic.display import RunInterrupted
-from xla_magic.record import RunRecord
+from xla_magic.runs import stacks
+from xla_magic.notebook import status
+from xla_magic.runs.errors import RunInterrupted
+from xla_magic.runs.record import RunRecord
 
 HANG_AFTER = 2.0
 DEADLINE = 240.0  # bounds a failure only
@@ -188,7 +189,7 @@ def test_pool_gloo_collective_the_other_rank_skips_while_it_sleeps(pool):
     assert block(error, "rank 0")[:2] == ["rank 0: waiting in xm.all_reduce (line 5)",
                                           "    line 5: xm.all_reduce(xm.REDUCE_SUM, [torch.ones(2, device=device)])"]
     assert block(error, "rank 1") == ["rank 1: sleeping in time.sleep (line 7)", "    line 7: time.sleep(600)"]
-    panel = widget.ranks_html(pool._xla_magic_session.history[-1])  # %xla_status's "where" column
+    panel = status.ranks_html(pool._xla_magic_session.history[-1])  # %xla_status's "where" column
     assert '<td class="xla-where">waiting in xm.all_reduce (line 5)</td>' in panel
     assert '<td class="xla-where">sleeping in time.sleep (line 7)</td>' in panel
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import assert_every_rank, kernel_is_xla_free
 from helpers import EACH_REFUSED, assert_refused
-from xla_magic.kernel_strategy import OutsideSpawnError
+from xla_magic.notebook.strategy import OutsideSpawnError
 
 SURFACE = """
 import torch

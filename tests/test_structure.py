@@ -1,6 +1,8 @@
 """The house's structure, read from the imports of every module (lazy ones inside functions and those under
-TYPE_CHECKING included): no import circle, the rank side imports only what both sides speak (xla_magic.wire),
-what both sides speak imports nothing else of ours, and the kernel side never imports the rank side."""
+TYPE_CHECKING included): no import circle, between modules or between the rooms at the top of xla_magic/; the
+machinery (runs, pools, hosts, ranks, cell, the session) imports none of the notebook's room; the rank side
+imports only what both sides speak (xla_magic.wire), what both sides speak imports nothing else of ours, and the
+kernel side never imports the rank side."""
 
 from __future__ import annotations
 
@@ -110,6 +112,39 @@ def test_the_reading_finds_a_circle_and_a_crossing_where_there_is_one():
 
 def test_no_module_imports_itself_in_a_circle():
     assert _circles(_graph()) == []
+
+
+def _room(name: str) -> str:
+    """The room at the top of xla_magic/ that a module is in: its folder, or itself (``xla_magic.session``)."""
+    return ".".join(name.split(".")[:2])
+
+
+# The rooms, top floor first: each may import the ones below it, never one above.
+FLOORS = ("xla_magic", "xla_magic.notebook", "xla_magic.session", "xla_magic.hosts", "xla_magic.pools",
+          "xla_magic.runs", "xla_magic.ranks", "xla_magic.cell", "xla_magic.wire")
+MACHINERY = ("xla_magic.session", "xla_magic.hosts", "xla_magic.pools", "xla_magic.runs", "xla_magic.ranks",
+             "xla_magic.cell")
+
+
+def test_the_top_of_the_package_is_a_handful_of_rooms():
+    entries = sorted(path.name for path in PACKAGE.iterdir() if path.name != "__pycache__"
+                     and not path.name.endswith(".md"))
+    assert len(entries) <= 10, entries
+    assert {_room(name) for name in _modules()} <= set(FLOORS) | {"xla_magic.launcher"}
+
+
+def test_the_rooms_import_each_other_downwards_only():
+    climbs = sorted((name, target) for name, targets in _graph().items() for target in targets
+                    if _room(name) in FLOORS and _room(target) in FLOORS
+                    and FLOORS.index(_room(target)) < FLOORS.index(_room(name)))
+    assert climbs == []
+
+
+def test_the_machinery_imports_none_of_the_notebook_s_views():
+    # A request writes to the sink it is given (runs/sink.py); the notebook's views are one kind of sink.
+    into_views = {name: sorted(target for target in targets if _in(target, "xla_magic.notebook"))
+                  for name, targets in _graph().items() if _in(name, *MACHINERY)}
+    assert {name: targets for name, targets in into_views.items() if targets} == {}
 
 
 def test_the_rank_side_imports_only_what_both_sides_speak():

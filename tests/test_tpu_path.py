@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 
 from fake_tpu_host import fake_tpu_host
 from helpers import Terminal, assert_nothing_left, interrupt_once_shown, stop_on_record, the_watchdog_spoke
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 SHOW = """
 import os, torch, torch_xla.runtime as xr
@@ -187,7 +187,7 @@ def host_part(ip, ordinals: str | None = None) -> tuple[list, str]:
     """Host 1's part of a cell on a v4-16 (2 hosts of 4 chips), as its engine runs it: its values and output."""
     from IPython.utils.capture import capture_output
 
-    from xla_magic.pools.interface import Cell
+    from xla_magic.cell.options import Cell
 
     env = dict(HOST_1_OF_V4_16, **({"XLA_MAGIC_FAKE_TPU_ORDINALS": ordinals} if ordinals else {}))
     with fake_tpu_host(ip, "v4-16", **env), capture_output() as captured:

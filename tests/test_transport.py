@@ -23,7 +23,7 @@ from IPython.core.error import UsageError
 from conftest import BACKING, kernel_is_xla_free
 from helpers import WRITE_MEET_READ, interrupt_when, shown
 from xla_magic.wire import transport
-from xla_magic.display import RankError, RunInterrupted
+from xla_magic.runs.errors import RankError, RunInterrupted
 
 BIG = 1 << 20  # elements: 4 MiB of float32, above the 1 MiB threshold
 
@@ -175,7 +175,7 @@ def test_unpicklable_neighbour_leaves_no_segment(ip, spawn):
 
 KILLED_KERNEL = """
 import os, signal, sys, torch
-from xla_magic.shipping import Shipping
+from xla_magic.cell.shipping import Shipping
 shipping = Shipping()
 shipping.fields({"big": torch.ones(1 << 20)})  # what a cell that reads it ships
 print(",".join(shipping.held.segments.names()), flush=True)

@@ -16,9 +16,9 @@ from IPython.utils.capture import capture_output
 
 from conftest import kernel_is_xla_free
 from helpers import wait_gone
-from xla_magic import widget
-from xla_magic.display import RankError, RunInterrupted
-from xla_magic.record import RankState, RunRecord
+from xla_magic.notebook import status
+from xla_magic.runs.errors import RankError, RunInterrupted
+from xla_magic.runs.record import RankState, RunRecord
 
 
 class Rows(HTMLParser):
@@ -47,17 +47,17 @@ class Rows(HTMLParser):
             self._row = None
 
 
-def rank_rows(panel: widget.StatusPanel) -> list[dict[str, object]]:
+def rank_rows(panel: status.StatusPanel) -> list[dict[str, object]]:
     return [row for row in Rows(panel.ranks.value).rows if row["class"] == "xla-rank"]
 
 
-def history_rows(panel: widget.StatusPanel) -> list[dict[str, object]]:
+def history_rows(panel: status.StatusPanel) -> list[dict[str, object]]:
     return [row for row in Rows(panel.history.value).rows if row["class"] == "xla-history"]
 
 
 @pytest.fixture
 def panel(ip):
-    return widget.status_panel(ip._xla_magic_session)
+    return status.status_panel(ip._xla_magic_session)
 
 
 def test_text_outside_a_notebook_says_how_to_get_the_widget(ip, spawn):
@@ -79,10 +79,10 @@ def test_text_outside_a_notebook_says_how_to_get_the_widget(ip, spawn):
 
 
 def test_the_panel_hint_says_what_is_missing_where_it_runs():
-    assert "%pip install ipywidgets" in widget.panel_hint(notebook=True, widgets=False)
-    terminal = widget.panel_hint(notebook=False, widgets=True)
+    assert "%pip install ipywidgets" in status.panel_hint(notebook=True, widgets=False)
+    terminal = status.panel_hint(notebook=False, widgets=True)
     assert "notebook front end" in terminal and "ipywidgets" not in terminal
-    assert "with ipywidgets installed" in widget.panel_hint(notebook=False, widgets=False)
+    assert "with ipywidgets installed" in status.panel_hint(notebook=False, widgets=False)
 
 
 def test_panel_after_a_run_that_succeeds(ip, spawn, panel):
@@ -148,14 +148,14 @@ def test_interrupt_button_stops_the_run_and_the_panel_shows_it(ip, spawn, panel)
 def test_without_a_kernel_subshell_the_panel_says_what_the_interrupt_button_needs(panel):
     panel.redraw()
     assert not panel.live_interrupt  # this shell has no kernel, so no subshell
-    assert widget.LIVE_INTERRUPT_NEEDS in panel.message.value
+    assert status.LIVE_INTERRUPT_NEEDS in panel.message.value
     assert "stop button" in panel.message.value
 
 
 def test_panel_follows_new_runs_after_listeners_were_cleared(ip, spawn, panel):
     session = ip._xla_magic_session
     session.listeners.remove(panel.on_record)
-    again = widget.status_panel(session)
+    again = status.status_panel(session)
     assert again is panel and panel.on_record in session.listeners
     spawn("--devices 2", "rank")
     assert history_rows(panel)[0]["run"] == str(session.history[-1].run_id)
@@ -170,10 +170,10 @@ def test_simulated_ranks_report_their_device_memory(ip, spawn):
 def test_memory_figures_are_shown_where_the_runtime_reports_them():
     state = RankState(state="running", memory={"bytes_used": 3 << 30, "bytes_limit": 16 << 30, "peak_bytes_used": 5 << 29})
     record = RunRecord(1, "x = 1", "tpu", 1, ranks={0: state})
-    html = widget.ranks_html(record)
+    html = status.ranks_html(record)
     assert "3.0 GiB of 16.0 GiB, peak 2.5 GiB" in html
     assert "device memory" not in html
-    assert widget.format_memory(None) == "-"
+    assert status.format_memory(None) == "-"
 
 
 def test_pool_row_and_stop_pool_button(ip, panel):

@@ -228,9 +228,9 @@ def test_a_user_who_sets_the_debug_level_gets_torch_xla_s_own_output(ip, spawn, 
 def test_the_status_panel_shows_each_rank_s_account_and_the_runs_summary(ip, spawn):
     from test_widget import history_rows, rank_rows
 
-    from xla_magic import widget
+    from xla_magic.notebook import status
 
-    panel = widget.status_panel(ip._xla_magic_session)  # shown before the run: what follows comes live
+    panel = status.status_panel(ip._xla_magic_session)  # shown before the run: what follows comes live
     spawn("--devices 2 --backend cpu", RAGGED)
     # No redraw: the panel follows every run through its listener (conftest.py fails any test that removes it).
     for row in rank_rows(panel):
@@ -271,7 +271,7 @@ while True:
 def test_an_interrupted_slow_loop_still_says_what_xla_did(ip, pool, spawn, marks):
     from helpers import interrupt_once_written
 
-    from xla_magic.display import RunInterrupted
+    from xla_magic.runs.errors import RunInterrupted
 
     interrupt_once_written(marks, 2)
     with capture_output() as shown, pytest.raises(RunInterrupted):

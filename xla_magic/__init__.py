@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from xla_magic.kernel_strategy import strategy
+from xla_magic.notebook.strategy import strategy
 
 __all__ = ["strategy", "log", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
@@ -34,13 +34,14 @@ def log(step: int | None = None, **values: Any) -> None:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from xla_magic.magics import XlaMagics
-    from xla_magic.runs.magics import RunMagics
+    from xla_magic.notebook.cell_view import CellView
+    from xla_magic.notebook.magics import XlaMagics
+    from xla_magic.notebook.run_magics import RunMagics
     from xla_magic.session import Session
 
     if getattr(ipython, "_xla_magic_session", None) is not None:
         return
-    session = Session()
+    session = Session(sink=CellView(ipython))
     magics = XlaMagics(ipython, session)
     ipython.register_magics(magics)
     run_magics = RunMagics(ipython, session)
@@ -67,7 +68,7 @@ def _prewarm(session: Any) -> None:
 
     Never fails %load_ext: a launcher that cannot start says why at first use.
     """
-    from xla_magic.launcher_client import LauncherError
+    from xla_magic.ranks.launcher_client import LauncherError
 
     try:
         session.host.ensure_launcher()

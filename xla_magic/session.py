@@ -16,18 +16,20 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import payload, sharding
-from xla_magic.run import watch
-from xla_magic.compile_cache import CacheSetting
-from xla_magic.history import History
+from xla_magic.cell import payload, sharding
+from xla_magic.runs import watch
+from xla_magic.cell.compile_cache import CacheSetting
+from xla_magic.runs.history import History
 from xla_magic.pools import admission
-from xla_magic.pools.across_hosts import HostsPool
+from xla_magic.hosts.pool import HostsPool
 from xla_magic.pools import kept
 from xla_magic.pools.this_host import LocalPool
-from xla_magic.pools.interface import Cell, Pool, PoolOptions
-from xla_magic.record import RunRecord
-from xla_magic.runner import Runner, plan, refuse_if_kernel_holds_devices
+from xla_magic.cell.options import Cell, PoolOptions
+from xla_magic.pools.interface import Pool
+from xla_magic.runs.record import RunRecord
+from xla_magic.runs.runner import Runner, plan, refuse_if_kernel_holds_devices
 from xla_magic.runs.background import BackgroundRun, Runs
+from xla_magic.runs.sink import Sink
 
 __all__ = ["Session", "plan", "refuse_if_kernel_holds_devices"]
 
@@ -35,9 +37,9 @@ __all__ = ["Session", "plan", "refuse_if_kernel_holds_devices"]
 class Session:
     """Everything the extension started in one kernel."""
 
-    def __init__(self) -> None:
+    def __init__(self, sink: Sink | None = None) -> None:
         self.runs = History()
-        self.host = Runner(self.runs)
+        self.host = Runner(self.runs, sink)  # its sink: where what runs say is shown (the notebook's, when loaded)
         self.pool: Pool | None = None  # while a pool runs (or is broken)
         self.background = Runs(self)  # %%xla_spawn --bg runs (runs/background.py)
 
@@ -75,7 +77,6 @@ class Session:
         fresh: bool,
         user_ns: Mapping[str, Any],
         hidden: Mapping[str, Any],
-        live_lines: bool = False,
         spmd: sharding.SpmdOptions | None = None,
         xla_report: str | None = None,
         profile: bool = False,
@@ -92,7 +93,7 @@ class Session:
         once, unless ``after``: then it waits for the pool first. ``background`` (the shell): it runs in the
         background, and its value is the run's handle.
         """
-        request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, live_lines, spmd, xla_report,
+        request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, spmd, xla_report,
                        profile=profile, hang_after=hang_after, compile_cache=compile_cache, metrics=metrics,
                        metrics_dir=metrics_dir)
         pool = self.current_pool()
@@ -129,8 +130,8 @@ class Session:
             size = 1 if request.spmd is not None else placement.devices
         run_id = self.runs.next_run_id()
 
-        def work(ask: Any) -> Any:
-            cell = dataclasses.replace(request, run_id=run_id, ask=ask)
+        def work(sink: Any) -> Any:
+            cell = dataclasses.replace(request, run_id=run_id, sink=sink)
             return held.run_admitted(cell) if held is not None else self.host.one_shot(cell)
 
         return self.background.start(request.source, held, size, work, shell, run_id)

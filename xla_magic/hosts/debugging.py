@@ -5,21 +5,21 @@ Each host's engine keeps its failed pool ranks for %debug as one host does
 free, so ``%debug`` is an ipyparallel call to the failed rank's host, which
 sends that rank its DEBUG request; pdb's prompts come to the kernel through
 the host's link (hosts/link.py), answered by the request that follows the
-call (run/across_hosts.py).
+call (hosts/request.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from xla_magic.display import RankError
-from xla_magic.post_mortem import PostMortem
+from xla_magic.runs.errors import RankError
+from xla_magic.runs.post_mortem import PostMortem
 
 
 class HostsPostMortem(PostMortem):
     """The failed ranks of a hosts pool's cell that keep its frames, by global rank (first failure first)."""
 
-    def __init__(self, pool: Any, error: RankError, run_id: int) -> None:  # pool: pools/across_hosts.py's HostsPool
+    def __init__(self, pool: Any, error: RankError, run_id: int) -> None:  # pool: hosts/pool.py's HostsPool
         self.pool = pool
         self.ranks = None  # type: ignore[assignment]  # on their hosts
         self.name = lambda rank: f"rank {pool.label(rank)}"

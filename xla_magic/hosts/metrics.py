@@ -14,7 +14,7 @@ keeps only the last value of a key; the kernel takes the sends in order,
 drops them from the call's data once taken, and adds their rows to the
 kernel's record, where the chart and ``%xla_metrics`` read them as on one
 host. A call's data all arrives before its output ends, which the kernel
-waits for before the cell's end (run/across_hosts.py).
+waits for before the cell's end (hosts/request.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from xla_magic.metrics_view import Chart
-from xla_magic.record import RunRecord
+from xla_magic.runs.record import RunRecord
 
 KEY = "xla_magic_metrics"  # + " N": a host's Nth send of rows in its call's ipyparallel data
 FLUSH_SECONDS = 0.2  # the longest a host holds rows its ranks sent
@@ -78,23 +77,18 @@ def _publish(data: dict[str, Any]) -> None:
 
 
 class Taker:
-    """In the kernel, for one request to every host: each host's sends into ``record``, drawn under the cell
-    (``metrics``: "mean" or "ranks", --metrics; None: a request that is no cell draws nothing)."""
+    """In the kernel, for one request to every host: each host's sends into ``record``, whose listeners (the
+    cell's chart: notebook/cell_view.py) draw them (None: a request that is no cell takes nothing)."""
 
-    def __init__(self, calls: list[Any], record: RunRecord | None, history: Any, metrics: str | None,
-                 notebook: bool) -> None:
+    def __init__(self, calls: list[Any], record: RunRecord | None, history: Any) -> None:
         self.calls = calls
         self.record = record
         self.history = history
         self.next = [0] * len(calls)  # each host's next send
-        self.chart = (Chart(record, metrics == "ranks", notebook)
-                      if record is not None and metrics is not None else None)
-        if self.chart is not None:
-            history.listeners.append(self.chart.notice)
 
     def take(self) -> None:
         """The rows every host sent since the last look, in each host's order; the chart redraws when due."""
-        if self.chart is None:
+        if self.record is None:
             return
         came = False
         for index, call in enumerate(self.calls):
@@ -107,11 +101,5 @@ class Taker:
             self.history.notify(self.record)
 
     def close(self) -> None:
-        """The cell is over (its hosts' output, and so their data, all came): the last rows taken and drawn."""
-        chart = self.chart
-        if chart is None:
-            return
+        """The cell is over (its hosts' output, and so their data, all came): the last rows taken."""
         self.take()
-        self.chart = None  # once
-        self.history.listeners.remove(chart.notice)
-        chart.close()

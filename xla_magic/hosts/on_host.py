@@ -2,7 +2,7 @@
 
 The kernel calls these functions on every engine at once (``DirectView.apply``).
 Each host runs this package's own single-host machinery: a
-:class:`~xla_magic.runner.Runner` (launcher, private directory) and a
+:class:`~xla_magic.runs.runner.Runner` (launcher, private directory) and a
 :class:`~xla_magic.pools.this_host.LocalPool`, told which part of the world it is
 (global rank offset, world size, the TCP store on host 0). It knows nothing
 of the kernel's session. Its output goes to the engine's stdout, tagged
@@ -25,17 +25,19 @@ from typing import Any, Callable, TypedDict
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, memory_view
-from xla_magic.run import watch
-from xla_magic.display import RankError, RunInterrupted
-from xla_magic.history import History
+from xla_magic.cell import compile_cache
+from xla_magic.ranks import memory_answers
+from xla_magic.runs import watch
+from xla_magic.runs.errors import RankError, RunInterrupted
+from xla_magic.runs.history import History
 from xla_magic.hosts import link as kernel_link
 from xla_magic.hosts.metrics import Publisher
 from xla_magic.hosts import profiles
 from xla_magic.pools.this_host import LocalPool
-from xla_magic.pools.interface import Cell, PoolOptions
-from xla_magic.record import RunRecord
-from xla_magic.runner import Runner, plan
+from xla_magic.cell.options import Cell, PoolOptions
+from xla_magic.runs.record import RunRecord
+from xla_magic.runs.runner import Runner, plan
+from xla_magic.runs.sink import Sink
 from xla_magic.wire import protocol
 
 
@@ -79,15 +81,14 @@ class Here:
         self.runs.listeners.append(self._tell_kernel)
         self.logged = Publisher(self._global_rank)  # what its ranks log(), sent on to the kernel's chart
         self.runs.listeners.append(self.logged.notice)
-        self.runner = Runner(self.runs)
-        self.runner.ask = _ask_kernel  # its ranks' questions go to the kernel, through the link
+        self.runner = Runner(self.runs, HostRelay())  # it prints (ipyparallel relays it); questions go to the kernel
         self.pool: LocalPool | None = None
         self.values: dict[str, Any] = {}
         self.received: tuple[str, ...] = ()  # the names the last cell brought (the others were here already)
         self._told: Any = None  # the last news sent, so that nothing goes twice
 
     def _tell_kernel(self, record: RunRecord) -> None:
-        """The running cell's news, live, for the kernel's one view of every host's ranks (run/across_hosts.py):
+        """The running cell's news, live, for the kernel's one view of every host's ranks (hosts/request.py):
         each rank's state and place, where its sampler last said it was and for how long, by local rank.
 
         Sent as ipyparallel data (``publish_data``) on the engine's IOPub while the call runs: the engine
@@ -176,8 +177,16 @@ def _cluster_key() -> bytes:
     return bytes(IPEngine.instance().session.key)
 
 
+class HostRelay(Sink):
+    """One host's sink: what its requests write is printed, which ipyparallel relays to the kernel as the call's
+    output (hosts/request.py tags and shows it); a rank's question goes to the kernel through the link."""
+
+    def ask(self, question: dict[str, Any]) -> dict[str, Any]:
+        return _ask_kernel(question)
+
+
 def _ask_kernel(question: dict[str, Any]) -> dict[str, Any]:
-    """A rank's question (rank_input.py), asked in the kernel through the link; the kernel's reply. The kernel's
+    """A rank's question (runs/questions.py), asked in the kernel through the link; the kernel's reply. The kernel's
     interrupt (SIGINT: ``_interrupt``) ends the wait as it ends a cell; a lost link is an end of input here."""
     global _link, _asked
     if _link is None:
@@ -248,7 +257,7 @@ def run_cell(source: str, sent: dict[str, bytes], names: tuple[str, ...], timeou
              run_id: int | None = None, xla_report: str = "auto") -> HostOutcome:
     """A cell in this host's pool; ``sent``: the kernel's values it reads that changed since this host got them.
 
-    The cell runs in the kernel's place (``xla_magic.place``), not the engine's: its ranks get it when it
+    The cell runs in the kernel's place (``xla_magic.cell.place``), not the engine's: its ranks get it when it
     changed since they last did, as on one host. ``profile``: --profile, whose files come with the answer.
     ``run_id``: the kernel's number of the cell, which names it here too (``<xla_spawn cell N>``)."""
     here = _require()
@@ -367,7 +376,7 @@ def memory_now(full: int | None) -> dict[int, dict[str, Any]]:
     pool = here.pool if here is not None else None
     if pool is None or pool.state != "ready":
         return {}
-    return memory_view.ask(pool, list(range(pool.world_size)), -1 if full is None else full)
+    return memory_answers.ask(pool, list(range(pool.world_size)), -1 if full is None else full)
 
 
 def status() -> dict[str, Any]:

@@ -18,8 +18,8 @@ import json
 import os
 from typing import Any, Callable, TypedDict
 
-from xla_magic.hosts.naming import Numbering
-from xla_magic.record import RankState, RunRecord
+from xla_magic.ranks.naming import Numbering
+from xla_magic.runs.record import RankState, RunRecord
 from xla_magic.wire import trace
 
 SEND_LIMIT = 64 << 20  # bytes of one trace file a host sends; a larger one stays on the host, named

@@ -1,6 +1,6 @@
 """What each host of a pool across hosts holds of the kernel's values. Runs in the kernel.
 
-As :class:`~xla_magic.shipping.Shipping` does for the ranks of one host, a
+As :class:`~xla_magic.cell.shipping.Shipping` does for the ranks of one host, a
 value a cell reads goes to a host's engine only when it changed since that
 host last had it: plain values (numbers, strings, modules) by identity, the
 rest by the digest of their own cloudpickle. The engine keeps what it got
@@ -15,8 +15,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from xla_magic import payload
-from xla_magic.shipping import _PLAIN_TYPES
+from xla_magic.cell import payload
+from xla_magic.cell.shipping import _PLAIN_TYPES
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The launcher side. Runs in the launcher, its supervisors and the ranks, never in the kernel.
 
 This package may import torch and torch_xla; the kernel side never imports
-it. Of the rest of xla_magic it uses only the modules shared by both sides,
-which import nothing of IPython: ``protocol`` (events and framing),
-``transport`` (shared-memory data) and ``kernel_strategy`` (the
-``from xla_magic import strategy`` object, which resolves to the rank's own).
+it. Of the rest of xla_magic it imports only what both sides speak
+(``xla_magic/wire/``: the events and their framing, shared-memory data, the
+help entries' sentence). A cell's ``from xla_magic import strategy`` resolves
+to the rank's own strategy (notebook/strategy.py) without an import from here.
 """

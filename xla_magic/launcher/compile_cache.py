@@ -24,7 +24,7 @@ version, the PJRT platform's version (libtpu's build on a TPU), the device
 kind, and which of the world's devices the process drives. A directory
 that is not writable, or a disk without room, leaves the rank without the
 cache (it never fails the rank), and its report says why; the kernel says
-so in one line (xla_magic/compile_cache.py). A user who set
+so in one line (xla_magic/cell/compile_cache.py). A user who set
 ``XLA_PERSISTENT_CACHE_PATH`` themselves keeps their own.
 """
 

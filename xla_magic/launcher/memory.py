@@ -519,7 +519,7 @@ def dominant(sums: dict[str, int], temporaries: int) -> str:
     return "weights" if weights >= others else "leftovers"
 
 
-# What the line under an out-of-memory error says dominates (display.py chooses the advice by it).
+# What the line under an out-of-memory error says dominates (runs/errors.py chooses the advice by it).
 MOSTLY = {
     "weights": "Most of it: parameters, gradients and optimizer state.",
     "temporaries": "Most of it: the graph's temporaries and activations.",

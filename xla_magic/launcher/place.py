@@ -1,7 +1,7 @@
 """The kernel's working directory, sys.path and environment, applied in a rank. Runs in a rank (process or thread).
 
 A cell's request carries the kernel's place when it changed (see the kernel
-side, xla_magic/place.py): its directory, and the entries of its sys.path
+side, xla_magic/cell/place.py): its directory, and the entries of its sys.path
 that are the user's. The rank moves there and adds the entries it lacks:
 those the kernel has ahead of every entry the two share go in front, the
 others at the end, so ``sys.path.insert(0, ...)`` and

@@ -48,7 +48,7 @@ START_SEQ = 0  # the seq of a pool's start: every rank's ready answers it
 
 
 class Serving(NamedTuple):
-    """How a job's ranks serve: its ``policy``, which the kernel decided (xla_magic/pools/policy.py), and its request."""
+    """How a job's ranks serve: its ``policy``, which the kernel decided (xla_magic/ranks/policy.py), and its request."""
 
     policy: str  # protocol.ONE_SHOT: answer ``first`` and leave; protocol.POOL: serve until the socket closes
     first: bytes | None = None  # a one-shot rank's one request, which came with its job

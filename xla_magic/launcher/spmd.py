@@ -10,7 +10,7 @@ anything touches the runtime, then calls ``setup()`` for the in-cell names
 On CPU, ``CPU_NUM_DEVICES=N`` gives that process N real XLA CPU devices, so
 sharding, partitioning and the collectives the compiler inserts all really
 run. ``describe_sharding`` says which device holds which block of a tensor,
-as plain data the kernel renders (``xla_magic.sharding``); ``whole_on_cpu``
+as plain data the kernel renders (``xla_magic.cell.sharding``); ``whole_on_cpu``
 brings a sharded tensor back as one CPU tensor.
 """
 
@@ -27,7 +27,7 @@ import torch
 _SHARDED_TENSOR_MODULE = "torch_xla.distributed.spmd.xla_sharded_tensor"
 
 # torch_xla's SPMD guide names the axes of a 2-D mesh ("data", "model"); the kernel's
-# xla_magic.sharding.DEFAULT_AXES says the same (tests/test_spmd.py checks).
+# xla_magic.cell.sharding.DEFAULT_AXES says the same (tests/test_spmd.py checks).
 DEFAULT_AXES = {1: ("data",), 2: ("data", "model")}
 
 

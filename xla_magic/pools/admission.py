@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 
-from xla_magic import sharding
-from xla_magic.pools.policy import RESTART_HINT
-from xla_magic.ranks import Ranks
+from xla_magic.cell import sharding
+from xla_magic.ranks.policy import RESTART_HINT
+from xla_magic.ranks.ranks import Ranks
 
 
 def check_usable(ranks: Ranks) -> None:

@@ -30,14 +30,15 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, probe
-from xla_magic.launcher_client import Launcher, LauncherError, PrivateDir
-from xla_magic.pools import policy
-from xla_magic.pools.interface import PoolOptions
+from xla_magic.cell import compile_cache, payload
+from xla_magic.ranks import probe
+from xla_magic.ranks.launcher_client import Launcher, LauncherError, PrivateDir
+from xla_magic.ranks import policy
+from xla_magic.cell.options import PoolOptions
 from xla_magic.pools.this_host import LocalPool
-from xla_magic.ranks import Conn, Ranks
-from xla_magic.run.request import Request
-from xla_magic.runner import Runner
+from xla_magic.ranks.ranks import Conn, Ranks
+from xla_magic.runs.request import Request
+from xla_magic.runs.runner import Runner
 from xla_magic.runs.background import first_line
 from xla_magic.wire import kept, protocol
 
@@ -286,12 +287,12 @@ class KeptPool(LocalPool):
         on the sockets this kernel got at attach (what the ranks wrote meanwhile waits in them), with its value."""
         runner, ranks = self.runner, self.ranks
 
-        def work(ask: Any) -> Any:
+        def work(sink: Any) -> Any:
             record = runner.record(int(going["id"]), going["cell"], ranks)
             record.xla_report = "off"
             request = Request(ranks, record, int(going["seq"]), None, workdir=runner.workdir,
                               has_result=bool(going.get("has_result")), on_update=runner.history.notify,
-                              hang_after=ranks.hang_after, ask=ask)
+                              hang_after=ranks.hang_after, sink=sink)
             runner.history.remember(record)
             try:
                 request.start()

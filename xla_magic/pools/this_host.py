@@ -1,7 +1,7 @@
 """A pool on one host: ranks kept between cells. Runs in the kernel, and in each host's engine.
 
 :class:`LocalPool` is the :class:`~xla_magic.pools.interface.Pool` of one host: one
-kept :class:`~xla_magic.ranks.Ranks` and the :class:`~xla_magic.runner.Runner`
+kept :class:`~xla_magic.ranks.ranks.Ranks` and the :class:`~xla_magic.runs.runner.Runner`
 that runs its requests. On one of several hosts, an engine holds one with
 its part of the world; the kernel's pool across hosts drives those.
 """
@@ -13,15 +13,17 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic import compile_cache, payload, sharding
-from xla_magic.pools import admission, policy
-from xla_magic.run import watch
+from xla_magic.cell import compile_cache, payload, sharding
+from xla_magic.pools import admission
+from xla_magic.ranks import policy
+from xla_magic.runs import watch
 from xla_magic.wire import protocol, transport
-from xla_magic.launcher_client import READY_TIMEOUT, Launcher
-from xla_magic.pools.interface import Cell, PoolOptions, check_names, check_rank
-from xla_magic.ranks import Ranks
-from xla_magic.run.request import Request
-from xla_magic.runner import Runner, plan
+from xla_magic.ranks.launcher_client import READY_TIMEOUT, Launcher
+from xla_magic.cell.options import Cell, PoolOptions
+from xla_magic.pools.interface import check_names, check_rank
+from xla_magic.ranks.ranks import Ranks
+from xla_magic.runs.request import Request
+from xla_magic.runs.runner import Runner, plan
 
 
 def old_spmd_options(ranks: Ranks, devices: int | None) -> sharding.SpmdOptions:
@@ -64,7 +66,7 @@ class LocalPool:
         ranks.store_home = store_home
         record = runner.record(runner.history.next_run_id(), "%xla_pool start", ranks)
         start = Request(ranks, record, 0, None, workdir=runner.workdir, has_result=False, timeout=READY_TIMEOUT,
-                        on_update=runner.history.notify, live_lines=options.live_lines)
+                        on_update=runner.history.notify, sink=runner.sink)
         began = time.monotonic()
         try:
             runner.launch(ranks, record, first=None, launcher=launcher)

@@ -1,7 +1,9 @@
-"""Runs that outlive their cell: background runs, their handles and their logs on disk. Runs in the kernel.
+"""A run followed to its end, in the foreground or the background. Runs in the kernel and in each host's engine.
 
-``log.py`` is the run's log (its format, its writer, and a reader that can
-follow a log live from any process); ``background.py`` runs a cell in a
-thread of the kernel and routes what it shows under the cell that started
-it, through the log; ``magics.py`` holds ``%xla_runs`` and ``%xla_run``.
+``runner.py`` sends a cell (or a push, a pull, a pool's start) to a set of
+ranks and ``request.py`` follows it (events.py, watch.py, stopping.py,
+wording.py), writing what happens to its record (record.py, history.py)
+and to the sink it was given (sink.py): the notebook's, a background run's
+log (background.py, routing.py, log.py), or a host's relay. The errors a
+run raises are errors.py's.
 """

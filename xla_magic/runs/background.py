@@ -3,7 +3,7 @@ kernel.
 
 ``%%xla_spawn --bg`` returns at once with a :class:`BackgroundRun`; a
 thread of the kernel runs the cell in the pool as a blocking cell would
-(the same request: runner.py, run/request.py), while the kernel runs other
+(the same request: runner.py, runs/request.py), while the kernel runs other
 cells. What the thread shows goes to the run's log and under the cell that
 started it (routing.py). The handle waits for it, takes its results or its
 error, stops it (as the stop button does: the pool keeps its ranks) and
@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
-from xla_magic import profile_drawer, rank_input
-from xla_magic.display import RankError, RunInterrupted, in_notebook
+from xla_magic.runs import profile_drawer
+from xla_magic.runs.errors import RankError
+from xla_magic.runs.sink import Sink, in_notebook
 from xla_magic.runs import log as run_log
 from xla_magic.runs import routing
 
@@ -109,12 +110,14 @@ class BackgroundRun:
         else:
             self.path = runs.log_path(pool, run_id)
             self.log = run_log.LogWriter(self.path, run_id, cell, self.pool_text, self.started)
-        # a rank's question waits here until someone waits on the run (rank_input.Ask)
+        # a rank's question waits here until someone waits on the run (questions.Ask)
         self._question: dict[str, Any] | None = None
         self._reply: dict[str, Any] | None = None
         self._answered = threading.Event()
         self._work = work
         self._output = routing.ThreadOutput(shell, parent, self._stream, self._display)
+        # what its requests write: into its log first, whatever the kernel's cells do meanwhile, then under its cell
+        self.sink = routing.RunSink(runs.shown(), self._stream, self.ask)
         self._begun = False
         self._begin_lock = threading.Lock()
 
@@ -138,7 +141,7 @@ class BackgroundRun:
         try:
             with self._output:
                 try:
-                    self._value = self._work(self.ask)
+                    self._value = self._work(self.sink)
                     state = "done"
                 except BaseException as exc:  # whatever it was, it is the run's, shown under its cell
                     self._error = exc
@@ -148,13 +151,14 @@ class BackgroundRun:
                     state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
                     if isinstance(exc, RankError):  # the last error shown, as a failed cell's: %debug opens it
                         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-                    sys.stderr.write(_rendered(exc))
+                    self.sink.write("stderr", _rendered(exc))
                     sys.stderr.flush()  # before the line that says the run ended
                 finally:
                     self.duration = time.time() - self.started
                     self._closing = True  # the run's last line stays the run's own
-                print(f"run {self.id} {_ended_words(state)} after {self.duration:.1f} s; every line it showed is "
-                      f"kept in {self.path} (%xla_run show {self.id} shows it again)", flush=True)
+                self.sink.write("stdout", f"run {self.id} {_ended_words(state)} after {self.duration:.1f} s; every "
+                                f"line it showed is kept in {self.path} (%xla_run show {self.id} shows it again)\n")
+                sys.stdout.flush()
         finally:  # whatever became of its output (a kernel closing its streams), the run is over for its waiters
             if self.detached and self._error is not None:  # (a run that did end, ends in its log too)
                 self.log.detach()
@@ -186,8 +190,9 @@ class BackgroundRun:
         """A rank's question, from the run's thread: it waits until a waiter (wait, show) asks it in its cell."""
         line = question.get("line")
         at = f" at line {line}" if line is not None else ""
-        print(f"[run {self.id}] {question['who']} waits for {question['what']}{at}: run.wait(), run.show() or "
-              f"%xla_run show {self.id} asks it", flush=True)
+        self.sink.write("stdout", f"[run {self.id}] {question['who']} waits for {question['what']}{at}: run.wait(), "
+                        f"run.show() or %xla_run show {self.id} asks it\n")
+        sys.stdout.flush()
         self._reply = None
         self._answered.clear()
         self._question = question
@@ -260,7 +265,7 @@ class BackgroundRun:
                              f"{run_log.KEPT} runs since); its results stay in .results")
         self.begin()
         try:
-            replay(run_log.follow(self.path, idle=self._serve), in_notebook(self.runs.shell))
+            replay(run_log.follow(self.path, idle=self._serve), self.runs.shown())
         except KeyboardInterrupt:
             raise WaitInterrupted(self._left_running()) from None
 
@@ -280,7 +285,7 @@ class BackgroundRun:
         """Ask a rank's waiting question here, in the waiter's cell."""
         question = self._question
         if question is not None and not self._answered.is_set():
-            self._reply = rank_input.ask_here(question)
+            self._reply = self.runs.shown().ask(question)
             self._answered.set()
 
     def _left_running(self) -> str:
@@ -308,31 +313,20 @@ def _rendered(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))
 
 
-def replay(entries: Any, notebook: bool) -> None:
-    """A log's entries shown in the running cell: streams written, displays displayed (updates in place)."""
-    from IPython.display import display
-
+def replay(entries: Any, sink: Sink) -> None:
+    """A log's entries shown through ``sink`` (the running cell's): streams written, displays displayed (updates in
+    place), as the live run showed them."""
     handles: dict[str, Any] = {}
     for entry in entries:
         if "stream" in entry:
-            out = sys.stderr if entry["stream"] == "stderr" else sys.stdout
-            out.write(entry["text"])
-            out.flush()
+            sink.write(entry["stream"], entry["text"])
+            (sys.stderr if entry["stream"] == "stderr" else sys.stdout).flush()
         elif "display" in entry:
-            data, key = entry["display"], entry.get("id")
-            if not notebook:
-                text = data.get("text/plain", "")
-                if text and not entry.get("update"):
-                    print(text, flush=True)
-            elif key and key in handles:
-                handles[key].update(data, raw=True, metadata=entry.get("metadata") or {})
-            elif key:
-                handles[key] = display(data, raw=True, metadata=entry.get("metadata") or {}, display_id=True)
-            else:
-                display(data, raw=True, metadata=entry.get("metadata") or {})
+            sink.show_data(entry["display"], entry.get("metadata"), entry.get("id"), bool(entry.get("update")),
+                           handles)
         elif "cut" in entry:
-            print(f"(the run's log reached its bound of {run_log.LIMIT // 2**20} MiB here; what the run showed "
-                  f"after this is not kept)", flush=True)
+            sink.write("stdout", f"(the run's log reached its bound of {run_log.LIMIT // 2**20} MiB here; what the "
+                                 f"run showed after this is not kept)\n")
 
 
 class Runs:
@@ -343,6 +337,10 @@ class Runs:
         self.shell: Any = None
         self.runs: dict[int, BackgroundRun] = {}
         self._directory: str | None = None
+
+    def shown(self) -> Sink:
+        """Where the session shows what runs say, in the cell that runs now: its runner's sink."""
+        return self.session.host.sink
 
     def directory(self) -> str:
         """Where the logs go: ``runs/`` in the session's private directory (mode 0700)."""
@@ -380,7 +378,7 @@ class Runs:
             print(f"run {run_id} ({first_line(going['cell'])}) went on in kept pool {pool.name} after its kernel went; "
                   f"its output so far, from its log, then the rest live (%xla_run show {run_id}, %xla_run wait "
                   f"{run_id}):", flush=True)
-            replay(entries, in_notebook(shell))
+            replay(entries, self.shown())
         else:  # a cell that ran in the foreground has no log: what it printed was shown under its own cell
             path = self.log_path(pool, run_id)
             run_log.LogWriter(path, run_id, going["cell"], "", going.get("started")).detach()

@@ -30,9 +30,12 @@ import sys
 import threading
 from typing import Any, Callable
 
+from xla_magic.runs.sink import Sink
+
 _local = threading.local()
 _lock = threading.Lock()
 _living = 0
+_kernel_streams: dict[str, Any] = {}  # the kernel's own stdout and stderr, as they were when the first run began
 
 
 class Routed:
@@ -68,6 +71,7 @@ def route_streams() -> None:
         _living += 1
         for name in ("stdout", "stderr"):
             if not isinstance(getattr(sys, name), Routed):
+                _kernel_streams[name] = getattr(sys, name)
                 setattr(sys, name, Routed(name, getattr(sys, name)))
 
 
@@ -139,3 +143,57 @@ class ThreadOutput:
         if msg.get("msg_type") in ("display_data", "update_display_data"):
             self.display(msg)
         return msg
+
+
+def show(name: str, text: str) -> None:
+    """``text`` under the calling run's cell, past its log: on the kernel's own stream (named parents, where the
+    ipykernel takes them), or sent as the cell's own stream message (an older ipykernel's)."""
+    send = getattr(_local, "send", None)
+    if send is not None:
+        send(name, text)
+        return
+    stream = _kernel_streams.get(name) or original(getattr(sys, name))
+    stream.write(text)
+
+
+class RunSink(Sink):
+    """A background run's sink: what its requests write goes into its log (``log``) first, whatever the kernel's
+    cells do meanwhile (a ``%%capture`` cell takes the kernel's streams, not the run's lines), then under the
+    run's own cell; displays, charts and lines under the cell are ``shown``'s (the session's sink), written to
+    the log by the thread's display hook (ThreadOutput); a rank's question is the run's to ask (``ask``)."""
+
+    def __init__(self, shown: Sink, log: Callable[[str, str], None], ask: Callable[[dict[str, Any]], dict[str, Any]]):
+        self.shown = shown
+        self.notebook = shown.notebook
+        self.draws_profiles = shown.draws_profiles
+        self._log = log
+        self._ask = ask
+
+    def write(self, stream: str, text: str) -> None:
+        if text:
+            self._log(stream, text)
+            show(stream, text)
+
+    def note(self, line: str) -> None:
+        self.shown.note(line)
+
+    def live_lines(self, label: Any) -> Any:
+        return self.shown.live_lines(label)
+
+    def line_in_place(self) -> Any:
+        return self.shown.line_in_place()
+
+    def display(self, label: str, what: Any, data: Any) -> None:
+        self.shown.display(label, what, data)
+
+    def ask(self, question: dict[str, Any]) -> dict[str, Any]:
+        return self._ask(question)
+
+    def before_cell(self) -> None:
+        self.shown.before_cell()
+
+    def follow_cell(self, record: Any, per_rank: bool = False, reads_profile: bool = False) -> Any:
+        return self.shown.follow_cell(record, per_rank, reads_profile)
+
+    def show_profile(self, record: Any) -> None:
+        self.shown.show_profile(record)

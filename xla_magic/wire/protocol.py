@@ -36,7 +36,7 @@ STOP = "stop"
 READY = "ready"
 FATAL = "fatal"
 STARTED = "started"
-# a job's ``policy``: how its ranks live (decided in the kernel, xla_magic/pools/policy.py; read by launcher/serve.py)
+# a job's ``policy``: how its ranks live (decided in the kernel, xla_magic/ranks/policy.py; read by launcher/serve.py)
 ONE_SHOT = "one-shot"  # they answer the request that came with the job (its ``first``) and leave
 POOL = "pool"  # they serve request after request until the kernel closes their sockets
 # supervisor (one per run) -> kernel
