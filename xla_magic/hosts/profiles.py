@@ -75,7 +75,7 @@ def store(record: RunRecord, outcomes: dict[int, Any], hosts: list[str], numberi
     """Every host's sent traces into ``folder`` (kernel side), as each global rank's profile in ``record``.
 
     ``outcomes``: each host's reply by host index (``HostOutcome``, with its ``profile``: the SentTrace list);
-    ``numbering``: which global rank each host's local rank is (hosts/naming.py)."""
+    ``numbering``: which global rank each host's local rank is (ranks/naming.py)."""
     record.profile = folder
     for index, host in enumerate(hosts):
         outcome = outcomes.get(index) or {"outcome": "lost", "message": "did not answer"}

@@ -1,6 +1,6 @@
 """How a request's end is worded: the failure's summary, the interrupt's, what became of the ranks. Runs in the kernel.
 
-The set's policy (pools/policy.py) says what a stop means for a one-shot
+The set's policy (ranks/policy.py) says what a stop means for a one-shot
 set and a pool; these put it together with what the request saw.
 """
 
