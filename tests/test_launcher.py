@@ -22,6 +22,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from helpers import Listening, assert_nothing_left, interrupt_when, main_thread_in
+import xla_magic
 from xla_magic.ranks import launcher_client
 from xla_magic.ranks import policy
 from xla_magic.wire import protocol, transport
@@ -183,8 +184,9 @@ def test_ranks_see_the_kernel_environment_as_it_is_now(ip, spawn, monkeypatch):
         assert pythonpath.split(os.pathsep) == [import_dir, *kernel_path]
     assert os.listdir(import_dir) == ["xla_magic"]
     assert os.path.realpath(os.path.join(import_dir, "xla_magic")) == os.path.dirname(
-        os.path.realpath(launcher_client.__file__)
+        os.path.realpath(xla_magic.__file__)
     )
+    assert os.path.exists(os.path.join(import_dir, "xla_magic", "launcher", "__main__.py"))
 
     # A pool's job is built through the launcher too.
     with capture_output():

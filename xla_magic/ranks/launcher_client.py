@@ -26,7 +26,7 @@ from xla_magic.wire.help import see
 
 READY_TIMEOUT = 300.0
 SUBMIT_TIMEOUT = 60.0  # for the launcher to take a job and say STARTED
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # xla_magic/, above ranks/
 
 
 # --- the session's private directory ----------------------------------------
