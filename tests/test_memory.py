@@ -331,3 +331,37 @@ def test_on_the_tpu_path_the_views_use_the_runtimes_figures(ip):
             assert "  x  float32[256, 256]  other" in held.stdout
         finally:
             pool_magic(ip, "stop")
+
+
+def test_two_ranks_peaks_are_32_mib_apart_for_vectors_of_32_and_64_mib(ip, pool):
+    """A vector costs its bytes on a TPU (rounded to a tile of at most 1024 elements), so does the report's peak."""
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\n"
+                                            "x = torch.ones((rank + 1) * 8 * 2**20).to(device)\ntorch_xla.sync()")
+    record = ip._xla_magic_session.history[-1]
+    peaks = {rank: state.memory["cell_peak_bytes"] for rank, state in record.ranks.items()}
+    assert peaks == {0: 32 << 20, 1: 64 << 20}, peaks
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert any("peak memory 32.0 MiB–64.0 MiB (most on rank 1)" in line for line in said), said
+
+
+TRANSFER_OOM = """import torch, torch_xla
+held = [torch.ones(5 * 2**20).to(device) for _ in range(2)]
+torch_xla.sync()
+more = torch.ones(10 * 2**20).to(device)
+torch_xla.sync()
+"""
+
+
+def test_an_out_of_memory_from_a_transfer_is_raised_and_named_at_its_to_device_line(spawn, monkeypatch):
+    """40 MiB held of 64 MiB, 40 MiB more moved to the device: a TPU fails at that .to(device), not at the sync."""
+    monkeypatch.setenv("XLA_MAGIC_SIM_HBM", "64MiB")
+    with pytest.raises(RankError) as failed:
+        spawn("--devices 2 --backend cpu", TRANSFER_OOM)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 40.00M. " \
+           "That was not possible. There are 24.00M free." in text, text
+    assert re.search(r"line 4, in <module>\n.*more = torch\.ones\(10 \* 2\*\*20\)\.to\(device\)", text), text
+    assert "line 5" not in text
+    assert "held[0]  float32[5242880]  (other)" in text and "held[1]  float32[5242880]  (other)" in text
+    assert "Most of it: tensors left from earlier cells (held[0], held[1])." in text
