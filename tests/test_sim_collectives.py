@@ -233,7 +233,7 @@ IN_STEP = "import torch, torch_xla.core.xla_model as xm\nxm.all_reduce(xm.REDUCE
 
 def test_ranks_in_different_collectives_at_once_are_named_and_the_pool_goes_on(ip, pool, spawn):
     """Values of different sizes never meet: each rank's call is named before any travels, on both ranks."""
-    from xla_magic.display import RankError
+    from xla_magic.runs.errors import RankError
 
     with pytest.raises(RankError) as failed:
         spawn("", DIFFERENT)
@@ -247,7 +247,7 @@ def test_a_collective_left_half_done_in_a_pool_never_crosses_the_next_ones(ip, p
     """Rank 0 makes one collective more and is stopped in it: gloo's counters are then out of step between
     the ranks (before, the next cells' values met the wrong receives and gloo aborted rank 0: SIGABRT).
     Every rank moves to a new group instead, and the next cells' collectives are right."""
-    from xla_magic.display import RankError
+    from xla_magic.runs.errors import RankError
 
     assert spawn("", IN_STEP).value == [9.0, 9.0]  # the group is made
     with pytest.raises(RankError) as stopped:

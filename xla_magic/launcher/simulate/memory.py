@@ -11,19 +11,23 @@ a number of bytes, or a TPU kind: ``v2``, ``v3``, ``v4``, ``v5e``, ``v5p``,
 After every ``torch_xla.sync`` (``xm.mark_step`` and ``torch_xla.step``
 call it) the rank counts what holds its device: the XLA tensors the user
 can name (launcher/memory.py: the namespace and the cell's frames),
-padded to TPU tiles, plus the temporaries of the graph that the sync ran,
-from torch_xla's compilation analysis (xla_analysis.py; remembered by the
-line that synced, since a cached graph is not analysed again). Before it
-syncs, it marks where the tensors made since were made (memory.mark), for
-%xla_memory's unnamed tensors. Past the
-limit, the sync raises RuntimeError with the TPU runtime's wording. The
-figures answer ``xm.get_memory_info`` (``torch_xla._XLAC._xla_memory_info``).
+laid out as XLA:TPU lays them out (layout.py), plus the temporaries of the
+graph that the sync ran, from torch_xla's compilation analysis
+(xla_analysis.py; remembered by the line that synced, since a cached graph
+is not analysed again). Before it syncs, it marks where the tensors made
+since were made (memory.mark), for %xla_memory's unnamed tensors. A
+``.to(device)`` (``Tensor.to``, and so ``Module.to``) allocates on a TPU at
+its line: it is counted there, and freed again when the tensor goes. Past
+the limit, the sync or the transfer raises RuntimeError with the TPU
+runtime's wording. The figures answer ``xm.get_memory_info``
+(``torch_xla._XLAC._xla_memory_info``).
 
 How far this is from a TPU: tensors no name reaches (a library's caches)
 are not counted, nor, at a sync, tensors held only as a plain object's
-attribute (a trainer's ``self.model``: %xla_memory finds those); XLA:CPU's temporaries differ from a TPU's (other fusion,
-no tile padding inside the graph); the count is taken at syncs only, so a
-``.to(device)`` past the limit fails at the next sync, not at its line.
+attribute (a trainer's ``self.model``: %xla_memory finds those); XLA:CPU's
+temporaries differ from a TPU's (other fusion, no tile padding inside the
+graph); a transfer made by a DataLoader's thread (``MpDeviceLoader``) is
+counted at the next sync.
 """
 
 from __future__ import annotations
