@@ -109,6 +109,13 @@ def test_xla_memory_names_parameters_gradients_and_optimizer_state_with_their_si
     assert weights == (64 * 128 + 128 + 128 * 32 + 32) * 4
     assert "By kind (on a TPU): parameters " in text
     assert "The largest compiled graph (cell " in text and "temporaries" in text
+    # a vector takes its bytes rounded to a tile on a TPU, f32[128]{0:T(128)}: 512 B, as the data (tests/test_layout.py)
+    assert re.search(r" 512B +512B on a TPU  model\.0\.bias  float32\[128\]  parameters", text), text
+    # a 64-bit type has no native TPU layout: its size there is said to be an estimate
+    spawn("", "steps = torch.zeros(3, dtype=torch.int64, device=device)\ntorch_xla.sync()")
+    with capture_output() as again:
+        ip.run_line_magic("xla_memory", "--rank 1")
+    assert "  steps  int64[3]  other  (on a TPU: an estimate)" in again.stdout, again.stdout
     # without --rank: rank 0 in full and every rank's totals
     with capture_output() as both:
         ip.run_line_magic("xla_memory", "")
@@ -301,7 +308,8 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
     assert 'Operator: op_name="s" source_file="<xla_spawn cell ' in error, error
     assert "The compiler's largest allocations for the graph, at the cell's lines:" in error
     assert re.search(r"\[rank 0\] +3\.13M  line 4: torch_xla\.sync\(\)  temporaries  \(HLO temp\)\n", error), error
-    assert re.search(r"\[rank 0\] +4B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
+    # a scalar takes one 512 B tile on a TPU, f32[]{:T(128)} (tests/test_layout.py)
+    assert re.search(r"\[rank 0\] +512B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
     assert "Most of it: the graph's temporaries and activations." in error
     assert "What to do: " in error and "gradient checkpointing" in error, error
 

@@ -89,6 +89,11 @@ def padded_bytes(shape: tuple[int, ...], itemsize: int, gen: int | None = None) 
     return outer * _round_up(shape[-2], first[0]) * _round_up(shape[-1], LANES) * itemsize
 
 
+def estimated(itemsize: int) -> bool:
+    """Whether the rules above only estimate such a tensor's TPU size (64-bit types: no native layout)."""
+    return itemsize > 4
+
+
 def _round_up(value: int, to: int) -> int:
     return -(-value // to) * to
 

@@ -39,6 +39,7 @@ from typing import Any, Iterator
 
 import torch
 
+from xla_magic.launcher import layout
 from xla_magic.launcher.layout import padded_bytes
 
 KINDS = ("parameters", "gradients", "optimizer state", "other")
@@ -366,7 +367,7 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
         itemsize = value.element_size()
         found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
                       "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value,
-                      "number": key})
+                      "number": key, "estimate": layout.estimated(itemsize)})
         if name == "unnamed" and key > 0:  # (a negative key: no torch_xla number)
             where = made(key)
             if where:
