@@ -301,6 +301,8 @@ def _group(state: Simulation) -> Any:
     """The run's private gloo group, on loopback; made on first use, and again after a break
     (``generation``), each under a store prefix no other group of the run uses."""
     if state.group is None:
+        if state.generation:
+            _wait_for_renewal(state)
         store = dist.PrefixStore(f"xla_magic/sim/{state.generation}", file_store(state))
         options = dist.ProcessGroupGloo._Options()
         # Across hosts gloo binds to the host's own address; on one host, to loopback.
@@ -313,6 +315,18 @@ def _group(state: Simulation) -> Any:
         with lifetime.silenced_stdout():
             state.group = dist.ProcessGroupGloo(store, state.rank, state.world_size, options)
     return state.group
+
+
+def _wait_for_renewal(state: Simulation) -> None:
+    """Before a new generation's group is made (which blocks, where no interrupt reaches, until every rank
+    makes it): wait here, interruptibly, until every rank has come to make it."""
+    store = file_store(state)
+    keys = [f"xla_magic/sim/renewing/{state.generation}/{rank}" for rank in range(state.world_size)]
+    store.set(keys[state.rank], b"1")
+    delay = 0.0005
+    while not store.check(keys):
+        time.sleep(delay)
+        delay = min(2 * delay, 0.01)
 
 
 def _all_gather_bytes(state: Simulation, group: Any, blob: bytes, seq: int, call: str) -> list[bytes]:
