@@ -109,11 +109,12 @@ def exchange(call: str, value: Any) -> list[Any]:
     gathered = [pickle.loads(blob) for blob in blobs]
     calls = [name for name, _ in gathered]
     if any(name != call for name in calls):
-        raise different_collectives(calls)
+        raise _different_collectives(calls)
     return [value for _, value in gathered]
 
 
-def different_collectives(calls: list[str]) -> RuntimeError:
+def _different_collectives(calls: list[str]) -> RuntimeError:
+    """The refusal of ranks that reached different collectives, each rank's call named."""
     listing = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(calls))
     return RuntimeError(
         f"the ranks reached different collectives ({listing}). Every rank must make the same "
