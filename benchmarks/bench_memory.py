@@ -5,7 +5,8 @@ Runs under benchmarks/run.py (``python benchmarks/run.py memory``, ``make bench`
 ``main()`` returns the rows). The simulation counts a device's memory after every
 ``torch_xla.sync`` (launcher/simulate/memory.py). On a pool of STEP_RANKS ranks, one
 cell runs a small model's training step (forward, backward, Adam's step,
-``torch_xla.sync()``) STEPS times, alternating step by step between the count on
+``torch_xla.sync()``; in a second row the step also moves its batch from the host,
+``.to(device)``, which the simulation counts at its line) STEPS times, alternating step by step between the count on
 and off (the simulation's book set aside: its sync wrapper returns at once; on, it
 also notes torch_xla's tensor counter for unnamed tensors' places and checks a
 compiled graph's needs against the limit), so
@@ -46,8 +47,17 @@ def step():
     optimizer.step()
     torch_xla.sync()
 
+batch = torch.randn(64, 256)  # on the host: moved to the device at every step, as a DataLoader's batch is
+
+def step_moving():
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(batch.to(device)), target).backward()
+    optimizer.step()
+    torch_xla.sync()
+
 for _ in range(5):
     step()
+    step_moving()
 """
 TIMED = f"""
 import statistics
@@ -58,7 +68,7 @@ try:
         _memory._book = _book if _step % 2 == 0 else None
         torch_xla._XLAC._xla_wait_device_ops(devices=[])
         started = time.perf_counter()
-        step()
+        {{step}}()
         torch_xla._XLAC._xla_wait_device_ops(devices=[])
         (_on if _step % 2 == 0 else _off).append(time.perf_counter() - started)
 finally:
@@ -75,17 +85,21 @@ torch_xla.sync()
 Row = tuple[str, float, float, str, str]
 
 
-def step_times(shell: Any) -> tuple[float, float]:
-    """(on, off): seconds per training step, alternating in one pool (the median over the ranks)."""
+def step_times(shell: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(on, off) seconds per training step, alternating in one pool (the median over the ranks): the step on
+    device data, and the step whose batch moves to the device (``.to(device)``, counted at its line)."""
     quietly(lambda: shell.run_line_magic("xla_pool", f"start --devices {STEP_RANKS} --backend cpu"))()
     try:
         info = shell.run_cell_magic("xla_spawn", "", "import torch_xla.core.xla_model as xm\nxm.get_memory_info(device)")
         if "bytes_limit" not in info[0]:
             raise AssertionError(f"get_memory_info: {info[0]}: the simulation does not count memory")
         quietly(lambda: shell.run_cell_magic("xla_spawn", "", MODEL))()
-        pairs = shell.run_cell_magic("xla_spawn", "--xla-report off",
-                                     TIMED.replace("{steps}", str(STEPS)))
-        return statistics.median(on for on, _off in pairs), statistics.median(off for _on, off in pairs)
+        medians = []
+        for step in ("step", "step_moving"):
+            pairs = shell.run_cell_magic("xla_spawn", "--xla-report off",
+                                         TIMED.replace("{steps}", str(STEPS)).replace("{step}", step))
+            medians.append((statistics.median(on for on, _off in pairs), statistics.median(off for _on, off in pairs)))
+        return medians[0], medians[1]
     finally:
         quietly(lambda: shell.run_line_magic("xla_pool", "stop"))()
 
@@ -107,8 +121,9 @@ def xla_memory_time(shell: Any) -> tuple[float, float]:
 def main() -> list[Row]:
     shell, loaded_here = start_shell()
     try:
-        on, off = step_times(shell)
-        print(f"step on {on * 1000:.2f} ms, off {off * 1000:.2f} ms", file=sys.stderr, flush=True)
+        (on, off), (moving_on, moving_off) = step_times(shell)
+        print(f"step on {on * 1000:.2f} ms, off {off * 1000:.2f} ms; with a batch moved, on {moving_on * 1000:.2f} ms,"
+              f" off {moving_off * 1000:.2f} ms", file=sys.stderr, flush=True)
         asking, trivial = xla_memory_time(shell)
     finally:
         if loaded_here:
@@ -117,6 +132,9 @@ def main() -> list[Row]:
         (f"training step on {STEP_RANKS} ranks, memory accounting on (vs off, alternating in one cell)",
          on * 1000, off * 1000, "ms",
          f"MLP + Adam, {STEPS} steps alternating, each timed in the rank; target ratio <= 1.03"),
+        (f"training step on {STEP_RANKS} ranks moving its batch .to(device), memory accounting on (vs off, "
+         f"alternating in one cell)", moving_on * 1000, moving_off * 1000, "ms",
+         f"the transfer counted at its line, the count at the sync; {STEPS} steps; target ratio <= 1.03"),
         (f"%xla_memory on {RANKS} ranks holding 1,000 tensors each (vs a trivial cell's round trip)",
          asking * 1000, trivial * 1000, "ms", "target: under 1000 ms"),
     ]

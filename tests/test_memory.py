@@ -109,6 +109,13 @@ def test_xla_memory_names_parameters_gradients_and_optimizer_state_with_their_si
     assert weights == (64 * 128 + 128 + 128 * 32 + 32) * 4
     assert "By kind (on a TPU): parameters " in text
     assert "The largest compiled graph (cell " in text and "temporaries" in text
+    # a vector takes its bytes rounded to a tile on a TPU, f32[128]{0:T(128)}: 512 B, as the data (tests/test_layout.py)
+    assert re.search(r" 512B +512B on a TPU  model\.0\.bias  float32\[128\]  parameters", text), text
+    # a 64-bit type has no native TPU layout: its size there is said to be an estimate
+    spawn("", "steps = torch.zeros(3, dtype=torch.int64, device=device)\ntorch_xla.sync()")
+    with capture_output() as again:
+        ip.run_line_magic("xla_memory", "--rank 1")
+    assert "  steps  int64[3]  other  (on a TPU: an estimate)" in again.stdout, again.stdout
     # without --rank: rank 0 in full and every rank's totals
     with capture_output() as both:
         ip.run_line_magic("xla_memory", "")
@@ -301,7 +308,8 @@ def test_in_a_real_notebook_memory_is_named_an_oom_explained_and_the_pool_kept()
     assert 'Operator: op_name="s" source_file="<xla_spawn cell ' in error, error
     assert "The compiler's largest allocations for the graph, at the cell's lines:" in error
     assert re.search(r"\[rank 0\] +3\.13M  line 4: torch_xla\.sync\(\)  temporaries  \(HLO temp\)\n", error), error
-    assert re.search(r"\[rank 0\] +4B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
+    # a scalar takes one 512 B tile on a TPU, f32[]{:T(128)} (tests/test_layout.py)
+    assert re.search(r"\[rank 0\] +512B  line 4: torch_xla\.sync\(\)  s  f32\[\]  \(output\)\n", error), error
     assert "Most of it: the graph's temporaries and activations." in error
     assert "What to do: " in error and "gradient checkpointing" in error, error
 
@@ -331,3 +339,37 @@ def test_on_the_tpu_path_the_views_use_the_runtimes_figures(ip):
             assert "  x  float32[256, 256]  other" in held.stdout
         finally:
             pool_magic(ip, "stop")
+
+
+def test_two_ranks_peaks_are_32_mib_apart_for_vectors_of_32_and_64_mib(ip, pool):
+    """A vector costs its bytes on a TPU (rounded to a tile of at most 1024 elements), so does the report's peak."""
+    with capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "", "import torch, torch_xla\n"
+                                            "x = torch.ones((rank + 1) * 8 * 2**20).to(device)\ntorch_xla.sync()")
+    record = ip._xla_magic_session.history[-1]
+    peaks = {rank: state.memory["cell_peak_bytes"] for rank, state in record.ranks.items()}
+    assert peaks == {0: 32 << 20, 1: 64 << 20}, peaks
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert any("peak memory 32.0 MiB–64.0 MiB (most on rank 1)" in line for line in said), said
+
+
+TRANSFER_OOM = """import torch, torch_xla
+held = [torch.ones(5 * 2**20).to(device) for _ in range(2)]
+torch_xla.sync()
+more = torch.ones(10 * 2**20).to(device)
+torch_xla.sync()
+"""
+
+
+def test_an_out_of_memory_from_a_transfer_is_raised_and_named_at_its_to_device_line(spawn, monkeypatch):
+    """40 MiB held of 64 MiB, 40 MiB more moved to the device: a TPU fails at that .to(device), not at the sync."""
+    monkeypatch.setenv("XLA_MAGIC_SIM_HBM", "64MiB")
+    with pytest.raises(RankError) as failed:
+        spawn("--devices 2 --backend cpu", TRANSFER_OOM)
+    text = strip_ansi("\n".join(failed.value.render_lines()))
+    assert "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 40.00M. " \
+           "That was not possible. There are 24.00M free." in text, text
+    assert re.search(r"line 4, in <module>\n.*more = torch\.ones\(10 \* 2\*\*20\)\.to\(device\)", text), text
+    assert "line 5" not in text
+    assert "held[0]  float32[5242880]  (other)" in text and "held[1]  float32[5242880]  (other)" in text
+    assert "Most of it: tensors left from earlier cells (held[0], held[1])." in text

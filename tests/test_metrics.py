@@ -273,6 +273,26 @@ def test_metrics_dir_writes_tensorboard_event_files_that_tensorboard_reads(ip, p
         assert [e.value for e in events.Scalars("lr")] == pytest.approx([0.1] * 10)
 
 
+def test_metrics_dir_is_refused_before_anything_starts_where_the_ranks_python_has_no_tensorboard(
+        ip, monkeypatch, tmp_path):
+    """The ranks' Python here: a virtual environment of the kernel's Python with nothing installed in it."""
+    import subprocess
+
+    from IPython.core.error import UsageError
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    bare = str(tmp_path / "bare" / "bin" / "python")
+    session = ip._xla_magic_session
+    session.stop_pool()
+    session.host.drop_launcher()  # the next cell's ranks would run the bare Python's launcher
+    monkeypatch.setenv("XLA_MAGIC_PYTHON", bare)
+    with pytest.raises(UsageError) as refused:
+        ip.run_cell_magic("xla_spawn", f"--devices 2 --backend cpu --metrics-dir {tmp_path / 'board'}", "log(loss=1.0)")
+    assert f"needs the tensorboard package in the ranks' Python ({bare})" in str(refused.value)
+    assert f"{bare} -m pip install tensorboard" in str(refused.value)
+    assert session.host.launcher is None and not (tmp_path / "board").exists()  # nothing started, nothing written
+
+
 @pytest.mark.parametrize("backend", ["cpu", "tpu"])
 def test_each_rank_logs_in_a_one_shot_cell_and_as_a_thread_of_the_tpu_launch_path(ip, spawn, monkeypatch, backend):
     monkeypatch.setenv("PJRT_DEVICE", "CPU")  # for tpu: its launch path, the ranks as CPU threads of one process

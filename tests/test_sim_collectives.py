@@ -216,3 +216,42 @@ def test_torch_distributed_ddp_and_compiled_collectives_match_one_process(spawn,
     for a, b in zip(trained[0], reference):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert_every_rank(run.value, lambda rank: expected_dist(devices, rank))
+
+
+# --- collectives that never cross ------------------------------------------------
+
+DIFFERENT = """import torch, torch_xla.core.xla_model as xm
+t = torch.ones(rank * 1000 + 1, device=device)
+xm.all_reduce(xm.REDUCE_SUM, t) if rank == 0 else xm.all_gather(t)
+"""
+ONE_MORE_ON_RANK_0 = """import torch, torch_xla.core.xla_model as xm
+if rank == 0:
+    xm.all_reduce(xm.REDUCE_SUM, torch.ones(4096, device=device))
+"""
+IN_STEP = "import torch, torch_xla.core.xla_model as xm\nxm.all_reduce(xm.REDUCE_SUM, torch.ones(3, device=device) * (rank + 1)).sum().item()"
+
+
+def test_ranks_in_different_collectives_at_once_are_named_and_the_pool_goes_on(ip, pool, spawn):
+    """Values of different sizes never meet: each rank's call is named before any travels, on both ranks."""
+    from xla_magic.runs.errors import RankError
+
+    with pytest.raises(RankError) as failed:
+        spawn("", DIFFERENT)
+    text = "\n".join(failed.value.render_lines())
+    assert failed.value.ranks == [0, 1]
+    assert "the ranks reached different collectives (rank 0: xm.all_reduce, rank 1: xm.all_gather)" in text, text
+    assert spawn("", IN_STEP).value == [9.0, 9.0]
+
+
+def test_a_collective_left_half_done_in_a_pool_never_crosses_the_next_ones(ip, pool, spawn):
+    """Rank 0 makes one collective more and is stopped in it: gloo's counters are then out of step between
+    the ranks (before, the next cells' values met the wrong receives and gloo aborted rank 0: SIGABRT).
+    Every rank moves to a new group instead, and the next cells' collectives are right."""
+    from xla_magic.runs.errors import RankError
+
+    assert spawn("", IN_STEP).value == [9.0, 9.0]  # the group is made
+    with pytest.raises(RankError) as stopped:
+        spawn("--timeout 30", ONE_MORE_ON_RANK_0)
+    assert "timed out" in "\n".join(stopped.value.render_lines())
+    for _ in range(3):
+        assert spawn("", IN_STEP).value == [9.0, 9.0]

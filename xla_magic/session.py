@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from xla_magic.cell import payload, sharding
+from xla_magic.cell import payload, ranks_python, sharding
 from xla_magic.runs import watch
 from xla_magic.cell.compile_cache import CacheSetting
 from xla_magic.runs.history import History
@@ -93,6 +93,9 @@ class Session:
         once, unless ``after``: then it waits for the pool first. ``background`` (the shell): it runs in the
         background, and its value is the run's handle.
         """
+        if metrics_dir is not None:  # before anything starts: the ranks would write nothing
+            launcher = self.host.launcher
+            ranks_python.refuse_metrics_dir_without_tensorboard(launcher.python if launcher is not None else None)
         request = Cell(cell, user_ns, hidden, devices, backend, timeout, fresh, spmd, xla_report,
                        profile=profile, hang_after=hang_after, compile_cache=compile_cache, metrics=metrics,
                        metrics_dir=metrics_dir)

@@ -9,10 +9,11 @@ metadata (dtype, shape, torch_xla's tensor id): nothing syncs, compiles or
 waits for the device. ``everything=True`` also walks every object the
 garbage collector tracks for XLA tensors no name reaches ("unnamed").
 
-Sizes are ``numel * element_size`` (``bytes``) and that padded to a TPU's
-tiles (``padded``): the last two dimensions to (8·4/itemsize, 128), a
-vector as one row of them. The simulation counts the padded size against
-its limit (simulate/memory.py); the views show both.
+Sizes are ``numel * element_size`` (``bytes``) and that laid out in a
+TPU's default tiles (``padded``, layout.py: a vector to a tile of at most
+1024 elements, the minor two dimensions to (1 to 8 rows, 128)). The
+simulation counts the padded size against its limit (simulate/memory.py);
+the views show both.
 
 An unnamed tensor is told by where it was made: torch_xla numbers its
 tensors in the order it makes them, and its ``CreateXlaTensor`` counter is
@@ -30,7 +31,6 @@ from __future__ import annotations
 import bisect
 import gc
 import linecache
-import math
 import re
 import sys
 import threading
@@ -39,24 +39,13 @@ from typing import Any, Iterator
 
 import torch
 
+from xla_magic.launcher import layout
+from xla_magic.launcher.layout import padded_bytes
+
 KINDS = ("parameters", "gradients", "optimizer state", "other")
 DEPTH = 3  # how deep into lists, tuples, dicts and plain objects' attributes the walk goes
 SHOWN = 8  # holders named in an out-of-memory explanation
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Error allocating device buffer", "Ran out of memory in memory space")
-
-
-def padded_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    """The bytes a TPU lays ``shape`` out in: the minor two dimensions padded to tiles (rank 0: unpadded)."""
-    if not shape:
-        return itemsize
-    rows = shape[-2] if len(shape) >= 2 else 1
-    sublanes = 8 * max(1, 4 // itemsize) if itemsize < 4 else 8
-    outer = math.prod(shape[:-2]) if len(shape) > 2 else 1
-    return outer * _round_up(rows, sublanes) * _round_up(shape[-1], 128) * itemsize
-
-
-def _round_up(value: int, to: int) -> int:
-    return -(-value // to) * to if value else 0
 
 
 def _is_xla(value: Any) -> bool:
@@ -210,6 +199,11 @@ def count(namespace: dict[str, Any], frame: types.FrameType | None = None) -> in
 
 
 _PADDED: dict[tuple[Any, Any], int] = {}  # (shape, dtype) -> padded bytes, for the count at every sync
+
+
+def forget_sizes() -> None:
+    """Forget the remembered padded sizes (the device kind they follow may have changed)."""
+    _PADDED.clear()
 
 
 class _Count:
@@ -373,7 +367,7 @@ def holders(namespace: dict[str, Any], frame: types.FrameType | None = None,
         itemsize = value.element_size()
         found.append({"name": name, "kind": kind, "shape": list(shape), "dtype": str(value.dtype).removeprefix("torch."),
                       "bytes": value.numel() * itemsize, "padded": padded_bytes(shape, itemsize), "tensor": value,
-                      "number": key})
+                      "number": key, "estimate": layout.estimated(itemsize)})
         if name == "unnamed" and key > 0:  # (a negative key: no torch_xla number)
             where = made(key)
             if where:

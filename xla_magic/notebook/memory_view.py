@@ -88,13 +88,15 @@ def _rank_lines(rank: int, answer: dict[str, Any], label: str) -> list[str]:
                  f"peak {human(device.get('peak_bytes_used', 0))}")
     holders = answer.get("holders", [])
     lines = [head, f"{len(holders) if answer.get('count', 0) <= len(holders) else answer['count']} tensors "
-                   f"(sizes as numel × element size; on a TPU padded to its tiles):"]
+                   f"(sizes as numel × element size, and laid out in a TPU's default tiles):"]
     for holder in holders[:SHOWN]:
         shape = f"{holder['dtype']}[{', '.join(map(str, holder['shape']))}]"
         pending = "  (not computed yet: no buffer)" if holder.get("pending") else ""
         made = f"  ({holder['made']})" if holder.get("made") else ""  # an unnamed tensor's cell and sync line
+        # (a 64-bit type has no native TPU layout: its size there is the simulation's estimate)
+        estimate = "  (on a TPU: an estimate)" if holder.get("estimate") else ""
         lines.append(f"  {human(holder['bytes']):>9} {human(holder['padded']):>9} on a TPU  {holder['name']}  "
-                     f"{shape}  {holder['kind']}{pending}{made}")
+                     f"{shape}  {holder['kind']}{pending}{made}{estimate}")
     if answer.get("count", 0) > SHOWN:
         lines.append(f"  ... and {answer['count'] - SHOWN} smaller")
     totals = answer.get("totals", {})

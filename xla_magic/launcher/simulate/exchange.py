@@ -48,6 +48,14 @@ class Simulation:
     group: Any = None  # the private gloo group, made on the first collective
     store: Any = None  # the FileStore of the run, under the group and the channels
     calls: int = 0  # collectives this rank has entered
+    # The group's generation: a collective left half done on some rank (interrupted, or waiting for a rank
+    # that never came) leaves gloo's operation counters out of step between the ranks, so every rank then
+    # makes a new group, under a prefix of its own, before its next collective; the old one is kept (its
+    # buffers may still be written into) and never used again.
+    generation: int = 0
+    group_calls: int = 0  # collectives made on this generation's group
+    retired: list[Any] = field(default_factory=list)
+    lock: Any = field(default_factory=threading.RLock)  # one collective at a time per rank, as a TPU issues them
     own_counts: dict[str, int] = field(default_factory=dict)  # counters our own copies bumped
     # Several hosts: the world's store (a TCPStore held by global rank 0) and this host's address.
     world: dict[str, Any] | None = None
@@ -81,26 +89,62 @@ def exchange(call: str, value: Any) -> list[Any]:
     """Every rank's ``value``, by rank, after checking all made the same call.
 
     A rank that waits here for one that ended its cell without making this
-    call is told so, instead of waiting for ever (see ``leave``).
+    call is told so, instead of waiting for ever (see ``leave``); ranks that
+    reached different collectives are told so, each rank's call named. Every
+    rank sends the same shapes whatever its call, and a collective left half
+    done moves every rank to a new group (``_renew_if_broken``): nothing of
+    one collective is ever read as another's.
     """
     state = sim()
     if state.world_size == 1:
         return [value]
-    seq = state.calls
-    state.calls += 1
-    _mark(state, f"in\t{seq}\t{call}")
-    if state.group is None:
-        _wait_for_peers(state, seq, call)
-    blobs = _all_gather_bytes(state, _group(state), pickle.dumps((call, value)), seq, call)
+    with state.lock:
+        seq = state.calls
+        state.calls += 1
+        _mark(state, f"in\t{seq}\t{call}")
+        _renew_if_broken(state)
+        if state.group is None:
+            _wait_for_peers(state, seq, call)
+        blobs = _all_gather_bytes(state, _group(state), pickle.dumps((call, value)), seq, call)
     gathered = [pickle.loads(blob) for blob in blobs]
     calls = [name for name, _ in gathered]
     if any(name != call for name in calls):
-        listing = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(calls))
-        raise RuntimeError(
-            f"the ranks reached different collectives ({listing}). Every rank must make the same "
-            f"collective calls in the same order; on a TPU this hangs."
-        )
+        raise _different_collectives(calls)
     return [value for _, value in gathered]
+
+
+def _different_collectives(calls: list[str]) -> RuntimeError:
+    """The refusal of ranks that reached different collectives, each rank's call named."""
+    listing = ", ".join(f"rank {rank}: {name}" for rank, name in enumerate(calls))
+    return RuntimeError(
+        f"the ranks reached different collectives ({listing}). Every rank must make the same "
+        f"collective calls in the same order; on a TPU this hangs."
+    )
+
+
+def _broken_key(generation: int) -> str:
+    return f"xla_magic/sim/broken/{generation}"
+
+
+def _renew_if_broken(state: Simulation) -> None:
+    """Where some rank left a collective of this generation's group half done, move to a new group."""
+    if state.group is None and state.generation == 0 and state.group_calls == 0:
+        return  # no group made yet: nothing to be out of step with
+    store = file_store(state)
+    while store.check([_broken_key(state.generation)]):
+        if state.group is not None:
+            state.retired.append(state.group)
+        state.group = None
+        state.generation += 1
+        state.group_calls = 0
+
+
+def _break(state: Simulation) -> None:
+    """This rank leaves a collective of its group half done: every rank moves to a new group."""
+    try:
+        file_store(state).set(_broken_key(state.generation), b"1")
+    except Exception:  # (the store gone: the run is ending)
+        pass
 
 
 def leave(closing: Callable[[], None]) -> Callable[[], None]:
@@ -255,9 +299,12 @@ def _next_key(store: Any, side: str, channel: int) -> str:
 
 
 def _group(state: Simulation) -> Any:
-    """The run's private gloo group, on loopback; made on first use."""
+    """The run's private gloo group, on loopback; made on first use, and again after a break
+    (``generation``), each under a store prefix no other group of the run uses."""
     if state.group is None:
-        store = dist.PrefixStore("xla_magic", file_store(state))
+        if state.generation:
+            _wait_for_renewal(state)
+        store = dist.PrefixStore(f"xla_magic/sim/{state.generation}", file_store(state))
         options = dist.ProcessGroupGloo._Options()
         # Across hosts gloo binds to the host's own address; on one host, to loopback.
         device = (dist.ProcessGroupGloo.create_device(hostname=state.world["address"]) if state.world
@@ -271,17 +318,47 @@ def _group(state: Simulation) -> Any:
     return state.group
 
 
+def _wait_for_renewal(state: Simulation) -> None:
+    """Before a new generation's group is made (which blocks, where no interrupt reaches, until every rank
+    makes it): wait here, interruptibly, until every rank has come to make it."""
+    store = file_store(state)
+    keys = [f"xla_magic/sim/renewing/{state.generation}/{rank}" for rank in range(state.world_size)]
+    store.set(keys[state.rank], b"1")
+    delay = 0.0005
+    while not store.check(keys):
+        time.sleep(delay)
+        delay = min(2 * delay, 0.01)
+
+
 def _all_gather_bytes(state: Simulation, group: Any, blob: bytes, seq: int, call: str) -> list[bytes]:
-    """Every rank's bytes, by rank: the lengths first, then the padded bytes."""
-    size = torch.tensor([len(blob)], dtype=torch.int64)
-    sizes = [torch.empty_like(size) for _ in range(group.size())]
-    _wait(state, group.allgather([sizes], [size]), seq, call)
-    mine = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
-    if blob:
-        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    everyone = [torch.empty_like(mine) for _ in sizes]
-    group.allgather([everyone], [mine]).wait()  # every rank is in this exchange now
-    return [bytes(t[: int(s)].numpy()) for t, s in zip(everyone, sizes)]
+    """Every rank's bytes, by rank: each rank's length and its collective's number on this group first (every
+    rank sends the same shape there, whatever its call), then the bytes padded to the longest.
+
+    Left half done (an interrupt, a rank that never came), the group is out of step between the ranks:
+    ``_break`` moves every rank to a new one, and ranks that find their numbers differ say so."""
+    done = False
+    try:
+        mine = torch.tensor([len(blob), state.group_calls], dtype=torch.int64)
+        heads = [torch.empty_like(mine) for _ in range(group.size())]
+        _wait(state, group.allgather([heads], [mine]), seq, call)
+        state.group_calls += 1
+        if any(int(head[1]) != state.group_calls - 1 for head in heads):
+            raise RuntimeError(
+                f"the simulated collectives are out of step between the ranks at {call} (collective numbers "
+                f"{', '.join(f'rank {rank}: {int(head[1]) + 1}' for rank, head in enumerate(heads))}); they "
+                f"start again in step at the next collective.")
+        sizes = [int(head[0]) for head in heads]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        if blob:
+            padded[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        everyone = [torch.empty_like(padded) for _ in sizes]
+        group.allgather([everyone], [padded]).wait()  # every rank is in this exchange now
+        state.group_calls += 1
+        done = True
+        return [bytes(t[:size].numpy()) for t, size in zip(everyone, sizes)]
+    finally:
+        if not done:
+            _break(state)
 
 
 def _wait(state: Simulation, work: Any, seq: int, call: str) -> None:

@@ -11,30 +11,37 @@ a number of bytes, or a TPU kind: ``v2``, ``v3``, ``v4``, ``v5e``, ``v5p``,
 After every ``torch_xla.sync`` (``xm.mark_step`` and ``torch_xla.step``
 call it) the rank counts what holds its device: the XLA tensors the user
 can name (launcher/memory.py: the namespace and the cell's frames),
-padded to TPU tiles, plus the temporaries of the graph that the sync ran,
-from torch_xla's compilation analysis (xla_analysis.py; remembered by the
-line that synced, since a cached graph is not analysed again). Before it
-syncs, it marks where the tensors made since were made (memory.mark), for
-%xla_memory's unnamed tensors. Past the
-limit, the sync raises RuntimeError with the TPU runtime's wording. The
-figures answer ``xm.get_memory_info`` (``torch_xla._XLAC._xla_memory_info``).
+laid out as XLA:TPU lays them out (layout.py), plus the temporaries of the
+graph that the sync ran, from torch_xla's compilation analysis
+(xla_analysis.py; remembered by the line that synced, since a cached graph
+is not analysed again). Before it syncs, it marks where the tensors made
+since were made (memory.mark), for %xla_memory's unnamed tensors. A
+``.to(device)`` (``Tensor.to``, and so ``Module.to``) allocates on a TPU at
+its line: it is counted there, and freed again when the tensor goes. Past
+the limit, the sync or the transfer raises RuntimeError with the TPU
+runtime's wording. The figures answer ``xm.get_memory_info``
+(``torch_xla._XLAC._xla_memory_info``).
 
 How far this is from a TPU: tensors no name reaches (a library's caches)
 are not counted, nor, at a sync, tensors held only as a plain object's
-attribute (a trainer's ``self.model``: %xla_memory finds those); XLA:CPU's temporaries differ from a TPU's (other fusion,
-no tile padding inside the graph); the count is taken at syncs only, so a
-``.to(device)`` past the limit fails at the next sync, not at its line.
+attribute (a trainer's ``self.model``: %xla_memory finds those); XLA:CPU's
+temporaries differ from a TPU's (other fusion, no tile padding inside the
+graph); a transfer made by a DataLoader's thread (``MpDeviceLoader``) is
+counted at the next sync.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import re
 import sys
 import threading
+import weakref
 from typing import Any, Callable
 
-from xla_magic.launcher import memory, shell, xla_analysis
+from xla_magic.launcher import layout, memory, shell, xla_analysis
 
 VARIABLE = "XLA_MAGIC_SIM_HBM"
 GIB = 1 << 30
@@ -65,16 +72,49 @@ class Book:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.used = 0
+        self.used = 0  # the last count (at a sync)
         self.peak = 0
         self.lock = threading.Lock()
         self.temporaries: dict[tuple[str, int], int] = {}  # by the line that synced
         self.analysis_seen = 0  # how far into the analysis file this book has read
         self.compiled: list[dict[str, Any]] = []  # the analysis blocks of the graphs the last sync compiled
+        # Tensors moved to the device since the last count and still alive: key -> (weak reference, bytes).
+        # A freed one's key is queued by its weak reference's callback (which takes no lock: it may run
+        # wherever the tensor's last reference goes) and taken off under the lock.
+        self.transfers: dict[int, tuple[weakref.ref, int]] = {}
+        self.transferred = 0
+        self.freed: collections.deque[int] = collections.deque()
+        self.keys = itertools.count()
 
     def figures(self) -> dict[str, int]:
         with self.lock:
-            return {"bytes_used": self.used, "bytes_limit": self.limit, "peak_bytes_used": self.peak}
+            held = self._held()
+            return {"bytes_used": held, "bytes_limit": self.limit, "peak_bytes_used": self.peak}
+
+    def _held(self) -> int:
+        """The last count and what was moved to the device since and is still alive (under the lock)."""
+        while self.freed:
+            entry = self.transfers.pop(self.freed.popleft(), None)
+            if entry is not None:
+                self.transferred -= entry[1]
+        return self.used + self.transferred
+
+    def on_transfer(self, tensor: Any) -> None:
+        """A tensor just moved to the device (``.to(device)``): a TPU allocates its buffer here, at this line,
+        so past the limit this raises the TPU runtime's RESOURCE_EXHAUSTED here, not at the next sync."""
+        size = layout.padded_bytes(tuple(tensor.shape), tensor.element_size())
+        with self.lock:
+            held = self._held()
+            if held + size > self.limit:
+                error = RuntimeError(f"RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate "
+                                     f"{memory.human(size)}. That was not possible. There are "
+                                     f"{memory.human(max(self.limit - held, 0))} free.")
+                error.temporaries = 0  # type: ignore[attr-defined]
+                raise error
+            key = next(self.keys)
+            self.transfers[key] = (weakref.ref(tensor, lambda _gone, key=key: self.freed.append(key)), size)
+            self.transferred += size
+            self.peak = max(self.peak, held + size)
 
     def after_sync(self, where: tuple[str, int], frame: Any) -> None:
         """Count after a sync ran a graph; RuntimeError, as a TPU's compiler or runtime words it, past the limit."""
@@ -88,10 +128,12 @@ class Book:
             needs = block["memory"]
             if sum(needs.get(key, 0) for key in COMPILE_NEEDS) > self.limit:
                 raise compile_error(needs, self.limit, where, namespace, frame)
-        used = memory.count(namespace, frame)
+        used = memory.count(namespace, frame)  # the tensors moved to the device since, where a name holds them
         with self.lock:
-            was = self.used
+            was = self._held()
             self.used = used
+            self.transfers.clear()  # (their weak references go with them: no callback comes)
+            self.transferred = 0
             self.peak = max(self.peak, used + temporaries)
         if used + temporaries > self.limit:
             asked = max(used - was, 0) + temporaries
@@ -167,18 +209,9 @@ def compile_error(needs: dict[str, int], limit: int, where: tuple[str, int], nam
     return error
 
 
-_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "s64", "int32": "s32",
-           "int16": "s16", "int8": "s8", "uint8": "u8", "bool": "pred"}
-
-
 def _layout(holder: dict[str, Any]) -> str:
-    """A holder's shape as XLA writes it with a TPU's tiles: f32[512,512]{1,0:T(8,128)}."""
-    dims = holder["shape"]
-    if not dims:
-        return f"{_DTYPES.get(holder['dtype'], holder['dtype'])}[]"
-    order = ",".join(str(axis) for axis in reversed(range(len(dims))))
-    tiles = ":T(8,128)" if len(dims) >= 2 else ""
-    return f"{_DTYPES.get(holder['dtype'], holder['dtype'])}[{','.join(map(str, dims))}]{{{order}{tiles}}}"
+    """A holder's shape as XLA writes it with its TPU layout (layout.py): f32[512,512]{1,0:T(8,128)}."""
+    return layout.text(tuple(holder["shape"]), holder["dtype"], holder["tensor"].element_size())
 
 
 _book: Book | None = None
@@ -196,7 +229,9 @@ def install() -> None:
     if os.environ.get(VARIABLE, "").strip().lower() == "off":  # XLA:CPU's own: no figures, no limit
         return
     _book = Book(parse_limit(os.environ.get(VARIABLE)))
+    memory.forget_sizes()  # (the device kind the sizes follow is this run's)
     torch_xla._XLAC._xla_memory_info = memory_info
+    _count_transfers()
     package, module = sys.modules["torch_xla"], sys.modules["torch_xla.torch_xla"]
     original = module.sync
     if getattr(original, "_xla_magic_memory", False):
@@ -227,6 +262,28 @@ def _counted_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     sync.__wrapped__ = original  # type: ignore[attr-defined]
     sync._xla_magic_memory = True  # type: ignore[attr-defined]
     return sync
+
+
+def _count_transfers() -> None:
+    """``Tensor.to`` (and so ``Module.to``): a tensor moved from the host to the device is counted at its line."""
+    import torch
+
+    original = torch.Tensor.to
+    if getattr(original, "_xla_magic_memory", False):
+        return
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        moved = original(self, *args, **kwargs)
+        if moved is not self and _book is not None and moved.is_xla and not self.is_xla \
+                and not torch.compiler.is_compiling():
+            _book.on_transfer(moved)
+        return moved
+
+    to.__name__ = to.__qualname__ = "to"
+    to.__doc__ = original.__doc__
+    to.__wrapped__ = original  # type: ignore[attr-defined]
+    to._xla_magic_memory = True  # type: ignore[attr-defined]
+    torch.Tensor.to = to  # type: ignore[method-assign]
 
 
 _OURS = ("torch_xla", os.path.join("xla_magic", "launcher"))
