@@ -132,7 +132,7 @@ class Notebook:
 
     def __init__(self) -> None:
         self.kernel = Kernel()
-        self.kernel.run("%load_ext xla_magic\nfrom xla_magic import profile_view")
+        self.kernel.run("%load_ext xla_magic\nfrom xla_magic.notebook import profile_view")
 
     def cpu(self) -> float:
         """The kernel process's CPU seconds so far, all its threads, ended ones included (/proc, in clock ticks:

@@ -71,8 +71,8 @@ def test_kernel_that_initialised_xla_is_refused_with_a_way_out():
             "%xla_pool stop",
             "%%xla_spawn --devices 2\nrank",
             "%xla_help kernel-initialised-xla",
-            "from xla_magic import widget\nfact = widget.kernel_fact()\nprint(fact.alarm, fact.kind)\n"
-            "print(widget.facts_html([fact]))",
+            "from xla_magic.notebook import status\nfact = status.kernel_fact()\nprint(fact.alarm, fact.kind)\n"
+            "print(status.facts_html([fact]))",
         ),
         PJRT_DEVICE="CPU",
     )

@@ -102,8 +102,8 @@ def test_what_a_pool_cell_starts_serves_the_next_cell_and_ends_with_the_pool():
         kept = {pid for rank in (0, 1) for pid in second[rank]["kept"]}
         assert len(kept) >= 2 * (2 + 2 + 1)  # per rank: loader workers, pool workers, the server
         reply, text = kernel.run("%xla_status --text")
-        reply, panel = kernel.run("from xla_magic import widget\n"
-                                  "print(widget.status_panel(get_ipython()._xla_magic_session).ranks.value)")
+        reply, panel = kernel.run("from xla_magic.notebook import status\n"
+                                  "print(status.status_panel(get_ipython()._xla_magic_session).ranks.value)")
         for rank in (0, 1):
             row = next(line for line in text.splitlines() if re.match(rf"\s+{rank}\s+done", line))
             count = len(second[rank]["kept"])

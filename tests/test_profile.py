@@ -429,7 +429,7 @@ def test_the_ranks_read_their_traces_only_once_the_kernel_is_done_with_the_cell(
         stamps = str(tmp_path / "reading")
         reply, text = kernel.run("%%xla_spawn --profile\n" + stamped_cell(stamps))
         assert reply["status"] == "ok", text
-        reply, text = kernel.run("from xla_magic import profile_view\nprofile_view.wait_drawn()\nprint(repr(posts[-1]))")
+        reply, text = kernel.run("from xla_magic.notebook import profile_view\nprofile_view.wait_drawn()\nprint(repr(posts[-1]))")
         assert reply["status"] == "ok", text
         cell_over = float(text.strip().splitlines()[-1])
         for rank in range(2):

@@ -95,8 +95,8 @@ def test_a_subclass_of_the_notebook_shell_gets_the_panel_and_live_lines(subclass
 
     # The mid-cell Interrupt click needs ipykernel 7.4; below it the panel says so.
     reply, messages = execute(subclass_kernel, (
-        "from xla_magic import widget\npanel = widget.status_panel(get_ipython()._xla_magic_session)\n"
-        "print(panel.live_interrupt, widget.LIVE_INTERRUPT_NEEDS in panel.message.value)"
+        "from xla_magic.notebook import status\npanel = status.status_panel(get_ipython()._xla_magic_session)\n"
+        "print(panel.live_interrupt, status.LIVE_INTERRUPT_NEEDS in panel.message.value)"
     ))
     live = version("ipykernel") >= (7, 4)
     assert streams(messages).split() == [str(live), str(not live)]
