@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import Kernel, kernel_with_pool, spawn_cell, pool_magic, wait_for, wait_gone, when
-from xla_magic.display import RankError
+from xla_magic.runs.errors import RankError
 
 # A deterministic data-parallel training cell: every generator a cell may draw from is used (torch's CPU one for
 # the data, XLA's for the dropout and the noise, NumPy's and Python's for a scale), so a resumed run equals an
@@ -108,3 +108,10 @@ def test_a_run_killed_with_its_machine_resumes_in_a_new_kernel_and_ends_bitwise_
         assert content["status"] == "ok", text
         assert "[(0, None), (0, None)]" in text, text
     _same_weights(resumed, reference)
+
+
+def test_a_notebook_value_of_none_travels_to_the_ranks_like_any_other():
+    # Found here: a cell's KEEP = None never reached the ranks (the builtins check took None for a builtin's).
+    from xla_magic.cell.payload import select_names
+
+    assert select_names({"KEEP", "print"}, {"KEEP": None, "print": print}, {}) == {"KEEP": None}
