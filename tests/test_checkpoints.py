@@ -115,3 +115,240 @@ def test_a_notebook_value_of_none_travels_to_the_ranks_like_any_other():
     from xla_magic.cell.payload import select_names
 
     assert select_names({"KEEP", "print"}, {"KEEP": None, "print": print}, {}) == {"KEEP": None}
+
+
+# --- one-shot cells on the shell: each cell's ranks are new processes, as a new session's are -----------------
+
+SMALL = """
+import os, time
+import torch, torch_xla
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ckpt = checkpoints(D, every=EVERY, keep=KEEP)
+start = ckpt.restore(model=model, opt=opt)
+for step in range(start, STEPS):
+    loss = model(torch.ones(2, 4, device=device)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    torch_xla.sync()
+    if step == MARK_AT:
+        with open(os.path.join(MARKS, f"rank-{rank}"), "w") as mark:
+            mark.write(str(os.getpid()))
+    ckpt.save(step, model=model, opt=opt, extra=EXTRA(step))
+    time.sleep(PAUSE)
+(start, model.weight.sum().item())
+"""
+
+
+# A saved value whose pickling, on the writing thread, says so in a file, then waits for GO (or forever): a
+# notebook class, so that it travels by value.
+STALL = """
+class Stall:
+    def __init__(self, marks, go):
+        self.marks, self.go = marks, go
+    def __reduce__(self):
+        import os, time
+        open(os.path.join(self.marks, "writing"), "w").close()
+        while self.go is None or not os.path.exists(self.go):
+            time.sleep(0.02)
+        return (int, (0,))
+"""
+
+
+def _stall(ip, marks: str, go: str | None):
+    ip.run_cell(STALL)
+    return ip.user_ns["Stall"](marks, go)
+
+
+def _small(ip, directory: str, marks: str, devices: int = 2, **names):
+    defaults = dict(D=directory, MARKS=marks, EVERY=10, KEEP=None, STEPS=30, MARK_AT=-1, PAUSE=0.0,
+                    EXTRA=lambda step: None)
+    ip.user_ns.update(defaults, **names)
+    return spawn_cell(ip, f"--devices {devices} --backend cpu", SMALL)
+
+
+def _pids(marks: str, ranks: int) -> list[int]:
+    def read() -> list[int] | None:
+        try:
+            return [int(open(os.path.join(marks, f"rank-{rank}")).read()) for rank in range(ranks)]
+        except (OSError, ValueError):
+            return None
+    return wait_for(read)
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_to_restore(ip, tmp_path):
+    directory, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    stall = _stall(ip, marks, None)
+    killed = when(lambda: os.path.exists(os.path.join(marks, "writing")) and _pids(marks, 2),
+                  lambda: [os.kill(pid, signal.SIGKILL) for pid in _pids(marks, 2)])
+    with pytest.raises(RankError, match="SIGKILL"):
+        _small(ip, directory, marks, MARK_AT=0, EXTRA=lambda step: stall if step == 20 else None, PAUSE=0.01)
+    assert killed.is_set()
+    assert "step-00000020" not in os.listdir(directory)
+    assert any(name.startswith(".partial-step-00000020") for name in os.listdir(directory))
+    value, out, err, _ = _small(ip, directory, marks, STEPS=12)
+    assert [start for start, _ in value] == [11, 11]
+    assert "restored step 10" in err and "skipped step 20 (partial: its writing never completed)" in err, err
+
+
+def test_keep_removes_older_checkpoints_only_once_a_newer_one_is_complete(ip, tmp_path):
+    directory, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    go = str(tmp_path / "go")
+    stall = _stall(ip, marks, go)
+    seen: list[list[str]] = []
+
+    def look_then_go() -> None:
+        seen.append([name for name in _steps(directory) if name.startswith("step-")])
+        open(go, "w").close()
+
+    when(lambda: os.path.exists(os.path.join(marks, "writing")), look_then_go)
+    _small(ip, directory, marks, devices=1, EVERY=2, KEEP=2, STEPS=11,
+           EXTRA=lambda step: stall if step == 8 else None)
+    assert seen == [["step-00000004", "step-00000006"]]  # step 8 is being written: the two before it stay
+    assert [name for name in _steps(directory)] == ["step-00000008", "step-00000010"]
+
+
+def test_sigterm_saves_at_the_ranks_next_step_and_ends_the_run_saying_where(ip, tmp_path):
+    directory, marks = str(tmp_path / "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    when(lambda: _pids(marks, 2), lambda: [os.kill(pid, signal.SIGTERM) for pid in _pids(marks, 2)])
+    with pytest.raises(RankError) as raised:
+        _small(ip, directory, marks, EVERY=100_000, STEPS=100_000, MARK_AT=3, PAUSE=0.005)
+    message = str(raised.value)
+    assert "preempted (SIGTERM)" in message, message
+    saved = max(name for name in _steps(directory) if name.startswith("step-"))  # (and step 0, due at every=N)
+    step = int(saved.split("-")[1])
+    assert step > 3 and f"saving step {step} to {os.path.join(directory, saved)}" in message, message
+    manifest = json.load(open(os.path.join(directory, saved, "manifest.json")))
+    assert set(manifest["files"]) == {"replicated.pt", "rank-0.pt", "rank-1.pt"}
+    value, _, err, _ = _small(ip, directory, marks, EVERY=100_000, STEPS=0)
+    assert [start for start, _ in value] == [step + 1, step + 1], err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 384 KiB tmpfs: a disk that fills up (needs root, as the test machines run)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=384k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield str(disk)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_lets_the_run_go_on_said_once_with_no_partial_left_to_load(ip, tmp_path, small_disk):
+    directory, marks = os.path.join(small_disk, "ckpt"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    ip.user_ns["torch"] = torch
+    # From step 10 on, each checkpoint carries 800 KB more than the disk holds.
+    value, out, err, _ = _small(ip, directory, marks, EVERY=5, STEPS=25,
+                                EXTRA=lambda step: torch.zeros(200_000) if step >= 10 else None)
+    assert len(value) == 2  # the run went on to its end
+    assert err.count("could not be written") == 1 and "No space left on device" in err, err
+    assert [name for name in _steps(directory) if name.startswith("step-")] == ["step-00000000", "step-00000005"]
+    value, _, err, _ = _small(ip, directory, marks, EVERY=5, STEPS=0)
+    assert [start for start, _ in value] == [6, 6], err
+
+
+MISMATCH = """
+import torch, torch_xla
+ckpt = checkpoints(D, every=1)
+model = torch.nn.Linear(4, 3).to(device)
+ckpt.save(0, model=model, opt=torch.optim.Adam(model.parameters()))
+ckpt.flush()
+other = torch.nn.Sequential(torch.nn.Linear(4, 5)).to(device)
+wider = torch.nn.Linear(4, 5).to(device)
+before = wider.weight.cpu().clone()
+said = []
+for targets in ({"model": other}, {"model": wider}, {"modle": model}):
+    try:
+        ckpt.restore(**targets)
+    except ValueError as exc:
+        said.append(f"{type(exc).__name__}: {exc}")
+(said, torch.equal(before, wider.weight.cpu()))
+"""
+
+
+def test_a_restore_into_another_shape_names_the_first_mismatch_and_changes_nothing(ip, tmp_path):
+    ip.user_ns["D"] = str(tmp_path / "ckpt")
+    value, _, err, _ = spawn_cell(ip, "--devices 1 --backend cpu", MISMATCH)
+    (said, unchanged), = value
+    assert said == [
+        "Mismatch: restore: model.0.weight is not in the checkpoint (model shape (5, 4))",
+        "Mismatch: restore: model.weight has the shape (3, 4) in the checkpoint and (5, 4) in the model",
+        "Mismatch: restore: modle is not in the checkpoint (it holds model, opt)",
+    ], err
+    assert unchanged
+
+
+WORLD = """
+import torch, torch_xla
+ckpt = checkpoints(D, every=1)
+model = torch.nn.Linear(4, 3).to(device)
+if SAVE:
+    torch.manual_seed(5)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(3, 4))
+    ckpt.save(7, model=model, lr=0.25)
+else:
+    ckpt.restore(model=model)
+(model.weight.cpu(), ckpt.values)
+"""
+
+
+def test_a_checkpoint_of_another_world_size_restores_the_replicated_state_and_says_the_random_one_was_not(
+        ip, tmp_path):
+    ip.user_ns.update(D=str(tmp_path / "ckpt"), SAVE=True)
+    saved, _, _, _ = spawn_cell(ip, "--devices 2 --backend cpu", WORLD)
+    ip.user_ns["SAVE"] = False
+    restored, _, err, _ = spawn_cell(ip, "--devices 1 --backend cpu", WORLD)
+    assert torch.equal(restored[0][0], saved[0][0]) and restored[0][1] == {"lr": 0.25}
+    assert "its random state was not restored: it was saved by 2 ranks and this run has 1" in err, err
+
+
+CADENCE = """
+import time
+import torch, torch_xla
+by_time = checkpoints(D + "/by-time", every="1s")
+once = checkpoints(D + "/once", before="2s")
+x = torch.zeros(3, device=device)
+for step in range(STEPS):
+    x += 1
+    torch_xla.sync()
+    by_time.save(step, x=x)
+    once.save(step, x=x)
+    time.sleep(0.02 * (rank + 1))  # the ranks go at different paces; the collectives of a real loop would not
+by_time.flush(); once.flush()
+[name for name in os.listdir(D + "/by-time")]
+"""
+
+
+def test_a_time_cadence_and_before_are_agreed_once_by_every_rank_as_steps(ip, tmp_path):
+    ip.user_ns.update(D=str(tmp_path / "ckpt"), STEPS=200)
+    value, _, err, _ = spawn_cell(ip, "--devices 2 --backend cpu", "import os\n" + CADENCE)
+    for sub in ("by-time", "once"):
+        entries = [name for name in _steps(os.path.join(tmp_path, "ckpt", sub))]
+        assert entries and all(name.startswith("step-") for name in entries), (sub, entries, err)
+        for name in entries:
+            manifest = json.load(open(os.path.join(tmp_path, "ckpt", sub, name, "manifest.json")))
+            assert {"rank-0.pt", "rank-1.pt"} <= set(manifest["files"])
+    assert len(_steps(os.path.join(tmp_path, "ckpt", "once"))) == 1
+    assert len(_steps(os.path.join(tmp_path, "ckpt", "by-time"))) >= 2, err
+
+
+def test_a_directory_that_cannot_take_checkpoints_is_refused_at_checkpoints_naming_why(ip, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for directory, reason in ((str(blocker / "ckpt"), "Not a directory"), ("gs://bucket/ckpt", "pip install")):
+        ip.user_ns["D"] = directory
+        with pytest.raises(RankError, match=reason):
+            spawn_cell(ip, "--devices 1 --backend cpu", "checkpoints(D, every=10)")
+    from xla_magic import checkpoints
+
+    with pytest.raises(RuntimeError, match="inside a %%xla_spawn cell"):
+        checkpoints(str(tmp_path), every=10)

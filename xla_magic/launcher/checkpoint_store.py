@@ -337,6 +337,8 @@ class Writer:
                 storage.write_bytes(f"{where}/rank-{job.rank}.failed", b"", sync=False)
         except OSError:
             pass
+        if job.manifest is None:
+            return  # another rank's failure: rank 0, which then cannot commit the checkpoint, says it
         if isinstance(exc, _Abandoned):
             self.say("abandoned", f"checkpoints: step {job.step} was not saved: {exc}; the run goes on")
         elif isinstance(exc, OSError):
