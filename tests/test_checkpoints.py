@@ -140,14 +140,16 @@ for step in range(start, STEPS):
 """
 
 
-# A saved value whose pickling, on the writing thread, says so in a file, then waits for GO (or forever): a
+# A saved value whose pickling on a rank's writing thread says so in a file, then waits for GO (or forever): a
 # notebook class, so that it travels by value.
 STALL = """
 class Stall:
     def __init__(self, marks, go):
         self.marks, self.go = marks, go
     def __reduce__(self):
-        import os, time
+        import os, threading, time
+        if threading.current_thread().name != "xla_magic-checkpoints":  # shipped to the ranks, not yet saved
+            return (Stall, (self.marks, self.go))
         open(os.path.join(self.marks, "writing"), "w").close()
         while self.go is None or not os.path.exists(self.go):
             time.sleep(0.02)

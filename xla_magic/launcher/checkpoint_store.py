@@ -167,13 +167,18 @@ class _Hashing(io.RawIOBase):
 
     def __init__(self, file: Any) -> None:
         self.file, self.hash, self.size = file, hashlib.sha256(), 0
+        self.failed: OSError | None = None  # torch.save turns a failed write into its own RuntimeError
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        self.file.write(view)
+        try:
+            self.file.write(view)
+        except OSError as exc:
+            self.failed = exc
+            raise
         self.hash.update(view)
         self.size += view.nbytes
         return view.nbytes
@@ -185,7 +190,12 @@ def write_file(storage: Storage, relative: str, payload: Any) -> dict[str, Any]:
 
     with storage.open_write(relative) as file:
         hashing = _Hashing(file)
-        torch.save(payload, hashing)
+        try:
+            torch.save(payload, hashing)
+        except RuntimeError:
+            if hashing.failed is not None:
+                raise hashing.failed from None  # the disk's reason (a full disk), not torch's report of it
+            raise
         storage.sync(file)
     return {"size": hashing.size, "sha256": hashing.hash.hexdigest()}
 
