@@ -6,6 +6,7 @@ tmpfs). Every wait waits for a file a rank wrote or a process's end.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -354,3 +355,67 @@ def test_a_directory_that_cannot_take_checkpoints_is_refused_at_checkpoints_nami
 
     with pytest.raises(RuntimeError, match="inside a %%xla_spawn cell"):
         checkpoints(str(tmp_path), every=10)
+
+
+# --- the frameworks' own checkpoints, resumed by new ranks, unchanged -----------------------------------------
+
+LIGHTNING = """
+from lightning.pytorch.callbacks import ModelCheckpoint
+model = Regression()
+saving = ModelCheckpoint(dirpath=ROOT + "/checkpoints", save_last=True, every_n_epochs=1)
+trainer = L.Trainer(accelerator="tpu", devices="auto", max_epochs=EPOCHS, default_root_dir=ROOT,
+                    callbacks=[saving], QUIET)
+trainer.fit(model, loader(world_size), ckpt_path="last")
+dict(params=params(model), seen=len(model.seen), epoch=trainer.current_epoch)
+"""
+
+
+def test_lightning_resumes_from_its_last_checkpoint_in_new_ranks_unchanged(spawn, tmp_path):
+    if importlib.util.find_spec("lightning") is None:  # (not imported here: the kernel side never imports it)
+        pytest.skip("needs lightning (the test extra)")
+    from test_lightning import MODEL, QUIET, SAMPLES, assert_params_match_reference
+
+    cell = MODEL.replace("{package}", "lightning") + LIGHTNING.replace("QUIET", QUIET)
+    first = spawn("--devices 2 --backend cpu", cell, ROOT=str(tmp_path), EPOCHS=2)
+    assert [got["epoch"] for got in first.value] == [2, 2]
+    assert os.path.exists(tmp_path / "checkpoints" / "last.ckpt")
+    resumed = spawn("--devices 2 --backend cpu", cell, ROOT=str(tmp_path), EPOCHS=4)
+    assert [got["seen"] for got in resumed.value] == [SAMPLES, SAMPLES]  # two epochs of a half each: 3 and 4 only
+    assert_params_match_reference([got["params"] for got in resumed.value], epochs=4)
+
+
+HF_TRAINER = """
+import torch
+from transformers import Trainer, TrainingArguments
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.layer(x), labels)}
+
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+train = [{"x": x[i], "labels": y[i]} for i in range(16)]
+args = TrainingArguments(output_dir=out, per_device_train_batch_size=16 // world_size, max_steps=STEPS,
+                         learning_rate=0.1, lr_scheduler_type="constant", optim="sgd", save_strategy="steps",
+                         save_steps=1, report_to=[], disable_tqdm=True, seed=0, logging_steps=1)
+trainer = Trainer(model=Tiny(), args=args, train_dataset=train)
+trainer.train(resume_from_checkpoint=RESUME)
+(trainer.state.global_step, {n: p.detach().cpu() for n, p in trainer.model.named_parameters()})
+"""
+
+
+def test_the_hf_trainer_resumes_from_its_checkpoint_in_new_ranks_unchanged(spawn, tmp_path):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers (the test extra)")
+    out, straight = str(tmp_path / "resumed"), str(tmp_path / "straight")
+    spawn("--devices 2 --backend cpu", HF_TRAINER, out=out, STEPS=2, RESUME=False)
+    assert os.path.isdir(os.path.join(out, "checkpoint-2"))
+    resumed = spawn("--devices 2 --backend cpu", HF_TRAINER, out=out, STEPS=4, RESUME=True)
+    reference = spawn("--devices 2 --backend cpu", HF_TRAINER, out=straight, STEPS=4, RESUME=False)
+    assert [step for step, _ in resumed.value] == [4, 4]
+    for name, weight in reference.value[0][1].items():
+        assert torch.allclose(resumed.value[0][1][name], weight, atol=1e-6), name
