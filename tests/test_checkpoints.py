@@ -104,10 +104,21 @@ def test_a_run_killed_with_its_machine_resumes_in_a_new_kernel_and_ends_bitwise_
         assert content["status"] == "ok", text
         assert "[(41, 4), (41, 4)]" in text, text
         assert "restored step 40" in text, text
-        fresh.run(_names(D=str(tmp_path / "uninterrupted"), HOLD=-1, OUT=reference, **common))
-        content, text = fresh.run("%%xla_spawn\n" + TRAIN)
+        # What the runs saved, listed from the manifests: the old kernel's steps and the new one's.
+        content, text = fresh.run("%xla_checkpoints")
         assert content["status"] == "ok", text
-        assert "[(0, None), (0, None)]" in text, text
+        listed = [line.split()[:1] + line.split()[-2:-1] for line in text.splitlines()[2:]]
+        assert [step for step, _ in listed] == ["0", "10", "20", "30", "40", "50"], text
+        assert f"{directory}: 6 checkpoints; restore() takes step 50" in text, text
+        # The uninterrupted run, in the background: %xla_runs shows its last checkpoint.
+        uninterrupted = str(tmp_path / "uninterrupted")
+        fresh.run(_names(D=uninterrupted, HOLD=-1, OUT=reference, **common))
+        content, text = fresh.run("%%xla_spawn --bg\n" + TRAIN)
+        assert content["status"] == "ok", text
+        content, text = fresh.run("%xla_run wait 1")
+        assert content["status"] == "ok" and "[(0, None), (0, None)]" in text, text
+        content, text = fresh.run("%xla_runs")
+        assert f"step 50 ({os.path.join(uninterrupted, 'step-00000050')})" in text, text
     _same_weights(resumed, reference)
 
 
@@ -419,3 +430,25 @@ def test_the_hf_trainer_resumes_from_its_checkpoint_in_new_ranks_unchanged(spawn
     assert [step for step, _ in resumed.value] == [4, 4]
     for name, weight in reference.value[0][1].items():
         assert torch.allclose(resumed.value[0][1][name], weight, atol=1e-6), name
+
+
+SPMD = """
+import torch, torch_xla
+import torch_xla.distributed.spmd as xs
+torch.manual_seed(SEED)
+model = torch.nn.Linear(16, 8).to(device)
+xs.mark_sharding(model.weight, mesh, ("data", None))
+ckpt = checkpoints(D, every=1)
+start = ckpt.restore(model=model)
+if not start:
+    ckpt.save(3, model=model)
+(start, model.weight.cpu(), torch_xla._XLAC._get_xla_sharding_spec(model.weight))
+"""
+
+
+def test_an_spmd_process_saves_its_sharded_state_whole_and_restores_it_in_place_sharded(spawn, tmp_path):
+    saved = spawn("--spmd --devices 4", SPMD, D=str(tmp_path / "ckpt"), SEED=0).value
+    restored = spawn("--spmd --devices 4", SPMD, D=str(tmp_path / "ckpt"), SEED=1).value
+    assert saved[0] == 0 and restored[0] == 4
+    assert torch.equal(saved[1], restored[1])
+    assert restored[2] == saved[2] and "devices=[4,1]" in restored[2], restored[2]

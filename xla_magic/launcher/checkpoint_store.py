@@ -218,6 +218,7 @@ class Job:
         self.step, self.files, self.manifest, self.key = step, files, manifest, key
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.done = threading.Event()
+        self.seq: Any = None  # the request whose cell saved it, for the kernel's CHECKPOINT
         self.error: BaseException | None = None
         self.committed = False
 
@@ -229,9 +230,11 @@ class Writer:
     would bury the cell's output).
     """
 
-    def __init__(self, storage: Storage, say: Callable[[str, str], None]) -> None:
+    def __init__(self, storage: Storage, say: Callable[[str, str], None],
+                 committed: Callable[[Job], None] | None = None) -> None:
         self.storage = storage
         self.say = say
+        self.committed = committed  # told (on this thread) of each checkpoint rank 0 completed
         self.pending: Job | None = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -322,6 +325,8 @@ class Writer:
         job.committed = True
         if job.keep is not None:
             self._keep(job)
+        if self.committed is not None:
+            self.committed(job)
 
     def _keep(self, job: Job) -> None:
         """keep=K: now that step ``job.step`` is complete, the complete ones beyond the K newest and older partials go."""

@@ -44,7 +44,8 @@ from typing import Any, Iterator
 
 from xla_magic.launcher import checkpoint_state as state_module
 from xla_magic.launcher import checkpoint_store as store
-from xla_magic.launcher import current
+from xla_magic.launcher import current, metrics
+from xla_magic.wire import protocol
 from xla_magic.wire import checkpoint_layout as layout
 
 POLL = 0.1  # how often a watcher reads the board on a local disk (object storage: POLL_REMOTE)
@@ -115,12 +116,17 @@ class Checkpoints:
         self.storage = store.Storage(directory)
         self.storage.check_writable()
         agreed = (uuid.uuid4().hex[:16], _process_age())
+        if self.rank == 0:  # the board, before the others hear of it: each checks that it sees it
+            self.storage.makedirs(f"{layout.BOARD}/{agreed[0]}")
         if self.world_size > 1:
             agreed = strategy.broadcast(agreed if self.rank == 0 else None)
         self.key, age = agreed
         self.deadline = time.monotonic() - age + self.before if self.before is not None else NEVER
         self.board = f"{layout.BOARD}/{self.key}"
-        self.storage.makedirs(self.board)
+        if not self.storage.exists(self.board):  # several hosts, a disk of each one's own
+            raise Refused(f"checkpoints({self.storage.url!r}): rank {self.rank} (on {os.uname().nodename}) does not see what "
+                          f"rank 0 wrote there: DIR must be storage every host sees (a gs:// URL, a shared "
+                          f"filesystem), not a disk of each host's own")
         self.thread = threading.get_ident()
         self.last = -1  # the step of this rank's last save() call: what its watcher posts in a round
         self.due = 0 if self.every_steps else NEVER  # the next cadence step (a time cadence: once agreed)
@@ -134,7 +140,9 @@ class Checkpoints:
         self.values: dict[str, Any] = {}  # the plain values of the checkpoint restore() loaded
         self.restored: int | None = None
         self.last_saved: int | None = None
-        self.writer = store.Writer(self.storage, self._say)
+        logger = metrics.current()  # the rank's channel to the kernel, which CHECKPOINT takes (none outside a rank)
+        self._channel = logger.channel if logger is not None else None
+        self.writer = store.Writer(self.storage, self._say, self._committed)
         _live.add(self)
         _listen_for_sigterm()
         self._stopped = threading.Event()
@@ -198,8 +206,23 @@ class Checkpoints:
             files[layout.REPLICATED] = state_module.to_host(state_module.capture(state))
             manifest = {"format": layout.FORMAT, "step": step, "time": time.time(), "world_size": self.world_size,
                         "run": getattr(_cell, "run", None) or "", "names": sorted(state)}
-        self.writer.submit(store.Job(step, files, manifest, self.key, self.rank, self.world_size, self.keep))
+        job = store.Job(step, files, manifest, self.key, self.rank, self.world_size, self.keep)
+        logger = metrics.current()
+        job.seq = logger.seq if logger is not None else None
+        self.writer.submit(job)
         self.last_saved = step
+
+    def _committed(self, job: store.Job) -> None:
+        """The writing thread's, on rank 0: the kernel hears of each complete checkpoint (%xla_runs shows the last)."""
+        if self._channel is None or job.seq is None:
+            return
+        try:
+            size = sum(entry["size"] for entry in (self.storage.read_json(
+                f"{layout.step_name(job.step)}/{layout.MANIFEST}") or {}).get("files", {}).values())
+            self._channel.send(protocol.CHECKPOINT, seq=job.seq, step=job.step, size=size, time=time.time(),
+                               path=self.storage.path(layout.step_name(job.step)))
+        except (OSError, ValueError):  # the kernel went, or the manifest cannot be read back: the files stand
+            pass
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was saved is written; False if still pending after ``timeout``."""
