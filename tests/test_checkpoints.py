@@ -113,9 +113,9 @@ def test_a_run_killed_with_its_machine_resumes_in_a_new_kernel_and_ends_bitwise_
         # The uninterrupted run, in the background: %xla_runs shows its last checkpoint.
         uninterrupted = str(tmp_path / "uninterrupted")
         fresh.run(_names(D=uninterrupted, HOLD=-1, OUT=reference, **common))
-        content, text = fresh.run("%%xla_spawn --bg\n" + TRAIN)
+        content, text = fresh.run("%%xla_spawn --bg -o background\n" + TRAIN)
         assert content["status"] == "ok", text
-        content, text = fresh.run("%xla_run wait 1")
+        content, text = fresh.run("background.wait()")
         assert content["status"] == "ok" and "[(0, None), (0, None)]" in text, text
         content, text = fresh.run("%xla_runs")
         assert f"step 50 ({os.path.join(uninterrupted, 'step-00000050')})" in text, text
