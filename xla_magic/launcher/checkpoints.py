@@ -149,6 +149,13 @@ class Checkpoints:
         self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self), self._stopped),
                                          name="xla_magic-checkpoint-board", daemon=True)
         self._watcher.start()
+        weakref.finalize(self, _finish, self.writer, self._stopped)  # a pool's cells make many: no thread outlives one
+
+    def close(self) -> None:
+        """Write what is pending, then end this object's threads (its checkpoints stay in DIR)."""
+        self.flush()
+        _finish(self.writer, self._stopped)
+        _live.discard(self)
 
     def __repr__(self) -> str:
         cadence = (f"every={self.every_steps}" if self.every_steps else
@@ -387,6 +394,11 @@ def _calibrated(ckpt: Checkpoints, measure: list[Any]) -> int | None:
         return None
     pace = (last - measure[2]) / (now - measure[1])
     return max(1, round((ckpt.every_seconds or 0) * pace))
+
+
+def _finish(writer: store.Writer, stopped: threading.Event) -> None:
+    stopped.set()
+    writer.close()
 
 
 def _watch(owner: "weakref.ref[Checkpoints]", stopped: threading.Event) -> None:
