@@ -39,7 +39,7 @@ def checkpoints(directory: str, every: int | str | None = None, keep: int | None
 
     ``ckpt.restore(model=model, opt=opt)`` loads the last complete one in
     place and returns the step to go on from; ``ckpt.save(step, model=model,
-    opt=opt)`` writes only when due, off the step's path. See docs/long-runs.md.
+    opt=opt)`` writes only when due, off the step's path (the docs' "Long runs" page).
     """
     # The launcher package exists only in rank processes; never import it here.
     module = sys.modules.get("xla_magic.launcher.checkpoints")
