@@ -180,6 +180,8 @@ memory
 # averages the gradients across ranks with torch_xla's all-reduce.
 
 # %%
+import os
+
 import torch  # the kernel may use torch freely; it never imports torch_xla
 
 true_weights = [2.0, -3.0, 0.5, 1.0]  # three slopes and a bias
@@ -187,6 +189,10 @@ generator = torch.Generator().manual_seed(0)
 features = torch.randn(512, 3, generator=generator)
 noise = 0.1 * torch.randn(512, generator=generator)
 targets = (features @ torch.tensor(true_weights[:3]) + true_weights[3] + noise).unsqueeze(1)
+
+
+# where the training cell checkpoints: /kaggle/working outlives the session
+checkpoint_dir = "/kaggle/working/checkpoints"
 
 
 def shard(tensor, rank, world_size):
@@ -208,14 +214,17 @@ with torch.no_grad():  # the same start on every rank (no shared random state ne
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x = shard(features, rank, world_size).to(device)
 y = shard(targets, rank, world_size).to(device)
+ckpt = checkpoints(checkpoint_dir, every=10, keep=2)  # written off the step's path, never half written
+start = ckpt.restore(model=model, optimizer=optimizer)  # a new session goes on where the last one saved
 
-for step in range(40):
+for step in range(start, 40):
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     xm.optimizer_step(optimizer)  # average the gradients over all ranks, then step
     torch_xla.sync()  # run the step's graph now
-    log(loss=loss)  # drawn under the cell as it trains (the ranks' mean), read with no sync of its own
+    log(step, loss=loss)  # drawn under the cell as it trains (the ranks' mean), read with no sync of its own
+    ckpt.save(step, model=model, optimizer=optimizer)  # writes only when due (steps 0, 10, 20, 30)
 
 [round(value, 4) for value in model.weight.flatten().tolist() + model.bias.tolist()]
 

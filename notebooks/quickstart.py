@@ -63,6 +63,9 @@ print("total:", sum(sums))
 # and a function that gives each rank its share of it.
 
 # %%
+import os
+import tempfile
+
 import torch  # the kernel may use torch freely; it never imports torch_xla
 
 true_weights = [2.0, -3.0, 0.5, 1.0]  # three slopes and a bias
@@ -70,6 +73,10 @@ generator = torch.Generator().manual_seed(0)
 features = torch.randn(512, 3, generator=generator)
 noise = 0.1 * torch.randn(512, generator=generator)
 targets = (features @ torch.tensor(true_weights[:3]) + true_weights[3] + noise).unsqueeze(1)
+
+
+# where the training cell checkpoints: kept through a kernel restart (delete it to start over)
+checkpoint_dir = os.path.join(tempfile.gettempdir(), "xla_magic-quickstart-checkpoints")
 
 
 def shard(tensor, rank, world_size):
@@ -88,7 +95,10 @@ def shard(tensor, rank, world_size):
 # draws the ranks' mean loss under the cell while it trains, updated in place,
 # with no `.item()`: each value is read once the step's graph has run, so
 # watching the run adds no sync (see the docs' "Live training metrics" page;
-# `%xla_metrics` returns the values).
+# `%xla_metrics` returns the values). `checkpoints(...)` saves the model and
+# the optimizer every 10 steps, off the step's path: run the cell again, even
+# after a kernel restart, and `ckpt.restore` goes on from the last complete one
+# (see the docs' "Long runs"; `%xla_checkpoints` lists them).
 
 # %%
 # %%xla_spawn --devices 4 --out weights
@@ -104,14 +114,17 @@ with torch.no_grad():  # the same start on every rank (no shared random state ne
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 x = shard(features, rank, world_size).to(device)
 y = shard(targets, rank, world_size).to(device)
+ckpt = checkpoints(checkpoint_dir, every=10, keep=2)  # written off the step's path, never half written
+start = ckpt.restore(model=model, optimizer=optimizer)  # a new session goes on where the last one saved
 
-for step in range(40):
+for step in range(start, 40):
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     xm.optimizer_step(optimizer)  # average the gradients over all ranks, then step
     torch_xla.sync()  # run the step's graph now
-    log(loss=loss)  # drawn under the cell as it trains (the ranks' mean), read with no sync of its own
+    log(step, loss=loss)  # drawn under the cell as it trains (the ranks' mean), read with no sync of its own
+    ckpt.save(step, model=model, optimizer=optimizer)  # writes only when due (steps 0, 10, 20, 30)
 
 [round(value, 4) for value in model.weight.flatten().tolist() + model.bias.tolist()]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from xla_magic.notebook.strategy import strategy
 
-__all__ = ["strategy", "log", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["strategy", "log", "checkpoints", "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
 
 def log(step: int | None = None, **values: Any) -> None:
@@ -31,6 +31,23 @@ def log(step: int | None = None, **values: Any) -> None:
         raise RuntimeError("log() records values from inside a %%xla_spawn cell, on its ranks; the kernel has "
                            "none to record. Call it in the cell, or in a function that the cell calls.")
     logger.log(step, values)
+
+
+def checkpoints(directory: str, every: int | str | None = None, keep: int | None = None,
+                before: str | float | None = None) -> Any:
+    """Checkpoints of a training loop in a ``%%xla_spawn`` cell: ``ckpt = checkpoints(DIR, every="10min", keep=3)``.
+
+    ``ckpt.restore(model=model, opt=opt)`` loads the last complete one in
+    place and returns the step to go on from; ``ckpt.save(step, model=model,
+    opt=opt)`` writes only when due, off the step's path (the docs' "Long runs" page).
+    """
+    # The launcher package exists only in rank processes; never import it here.
+    module = sys.modules.get("xla_magic.launcher.checkpoints")
+    if module is None:
+        raise RuntimeError("checkpoints() saves a training loop from inside a %%xla_spawn cell, on its ranks; the "
+                           "kernel holds no model on an XLA device. Call it in the cell (use %xla_checkpoints DIR "
+                           "here to list what a run saved).")
+    return module.checkpoints(directory, every=every, keep=keep, before=before)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -128,7 +128,7 @@ def select_names(
         value = user_ns[name]
         if name in hidden and hidden[name] is value:
             continue  # IPython's own (In, Out, get_ipython, exit, ...)
-        if getattr(builtins, name, None) is value:
+        if hasattr(builtins, name) and getattr(builtins, name) is value:  # (a notebook's ``x = None`` travels)
             continue
         chosen[name] = value
     return chosen

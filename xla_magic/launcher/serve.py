@@ -14,14 +14,13 @@ so the kernel can ignore replies to a request it gave up on. A set-up that
 fails is reported under the seq of the request waiting for it: the first
 request's, or 0 (a pool's start).
 
-A rank's namespace, its device and everything torch_xla caches (compiled graphs)
-live as long as the rank. Interrupts (interrupt.py): SIGINT stops the cell of
-the request being answered and nothing else. Output goes through capture.py.
-Results and pulled values travel with large tensors and arrays in shared memory,
-under the prefix the request names. A cell can have the kernel display something
-(``show_sharding`` in an SPMD process, or anything its IPython shell displays:
-shell.py): a DISPLAY event, answered by SHOWN once it is shown; what it logs goes
-as METRICS (metrics.py). It runs in the kernel's directory and sys.path (place.py).
+A rank's namespace, its device and everything torch_xla caches (compiled graphs) live as long as the rank.
+Interrupts (interrupt.py): SIGINT stops the cell of the request being answered and nothing else; SIGTERM, in a
+cell with checkpoints, saves (checkpoints.py). Output goes through capture.py. Results and pulled values travel
+with large tensors and arrays in shared memory, under the prefix the request names. A cell can have the kernel
+display something (``show_sharding`` in SPMD, or anything its IPython shell displays: shell.py): a DISPLAY
+event, answered by SHOWN once shown; what it logs goes as METRICS (metrics.py). It runs in the kernel's
+directory and sys.path (place.py).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ import types
 from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic.wire import protocol, transport
-from xla_magic.launcher import (capture, compile_cache, debugger, displays, interrupt, lifetime, memory, metrics,
-                                place, profiling, rank as rank_module, shell, stacks, xla_account, xla_analysis)
+from xla_magic.launcher import (capture, checkpoints, compile_cache, debugger, displays, interrupt, lifetime, memory,
+                                metrics, place, profiling, rank as rank_module, shell, stacks, xla_account, xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -390,8 +389,9 @@ class RankServer:
             reporter.start()
         try:
             self.phase = "cell"
-            with self._accounted(fields), self.metrics.cell(fields), self._profiled(fields), interrupt.Cell():
-                value = self.home.run(fields["source"], body, last)  # (account, logged values: read outside the trace)
+            with self._accounted(fields), self.metrics.cell(fields), checkpoints.cell(fields, self.namespace), \
+                    self._profiled(fields), interrupt.Cell():  # (account, logged values: read outside the trace)
+                value = self.home.run(fields["source"], body, last)
             self.phase = "closing"  # the cell is over; a one-shot rank waits for the others at its end
             if self.closing is not None:
                 self.closing()

@@ -1,4 +1,4 @@
-"""``%xla_runs``, ``%xla_run``, ``%xla_metrics``: the runs, listed, acted on, and what they logged. Runs in the kernel."""
+"""``%xla_runs``, ``%xla_run``, ``%xla_metrics``, ``%xla_checkpoints``: the runs, listed, acted on, what they logged and saved. Runs in the kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from xla_magic.notebook import metrics_view
+from xla_magic.notebook import checkpoints_view, metrics_view
 from xla_magic.runs.background import first_line
 
 
@@ -24,7 +24,7 @@ class RunMagics(Magics):
               help="forget the runs that ended and remove their logs (a run still going stays)")
     @line_magic
     def xla_runs(self, line: str) -> None:
-        """List this session's background runs (``%%xla_spawn --bg``): id, cell, state, time, pool.
+        """List this session's background runs (``%%xla_spawn --bg``): id, cell, state, time, last checkpoint, pool.
 
         Each run's output is kept on disk as it arrives (the last 50 runs'),
         so ``%xla_run show ID`` replays it, in order, and then follows it
@@ -40,12 +40,13 @@ class RunMagics(Magics):
         if not runs.runs:
             print("no background run in this session: %%xla_spawn --bg starts one")
             return
-        rows = [("id", "cell", "state", "time", "pool")]
+        rows = [("id", "cell", "state", "time", "last checkpoint", "pool")]
         for run in sorted(runs.runs.values(), key=lambda run: run.id):
-            rows.append((str(run.id), first_line(run.cell), run.state, f"{run.seconds:.1f} s", run.pool_text))
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            rows.append((str(run.id), first_line(run.cell), run.state, f"{run.seconds:.1f} s",
+                         checkpoints_view.run_text(run.record), run.pool_text))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
         for row in rows:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[5])
 
     @magic_arguments()
     @argument("action", choices=("show", "wait", "stop"),
@@ -100,3 +101,27 @@ class RunMagics(Magics):
                 kept = ", ".join(str(r.run_id) for r in self.session.history) or "none"
                 raise UsageError(f"no run {args.run} is kept (the recent runs kept: {kept}); %xla_status lists them")
         return metrics_view.table([record])
+
+    @magic_arguments()
+    @argument("directory", nargs="?", default=None,
+              help="the checkpoints' DIR, as the cell's checkpoints(DIR) names it (default: where the last run "
+              "that completed one wrote)")
+    @line_magic
+    def xla_checkpoints(self, line: str) -> None:
+        """List the checkpoints in DIR: step, time, size, complete or not, the run that wrote them.
+
+        A cell's ``checkpoints(DIR, every=..., keep=...)`` writes them (see
+        the docs' "Long runs"); ``ckpt.restore(...)`` takes the last complete
+        one, and a partial one (a write cut short) is never loaded. Read from
+        the manifests on disk, so a new session lists what an old one saved.
+        """
+        args = parse_argstring(self.xla_checkpoints, line)
+        directory = args.directory or checkpoints_view.last_directory(self.session.history)
+        if directory is None:
+            raise UsageError("%xla_checkpoints DIR: name the directory a cell's checkpoints(DIR) writes to (no run "
+                             "of this session has completed a checkpoint yet)")
+        try:
+            found = checkpoints_view.entries(directory)
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+        print(checkpoints_view.table(directory, found))

@@ -4,7 +4,7 @@ The request (request.py) pumps its ranks' sockets and hands every event
 here, in the thread that runs the cell: a rank's status, a display or a
 question for the kernel (DISPLAY, INPUT: answered before the rank goes on),
 where it is (STACKS, for the watch), what its cell logged (METRICS, kept in
-the record), its result, its error, its DONE, and
+the record) and the checkpoints it completed (CHECKPOINT), its result, its error, its DONE, and
 the supervisor's news of processes spawned and exited. A reply to a request
 the kernel gave up on (another ``seq``) is dropped.
 """
@@ -45,6 +45,8 @@ def handle(run: Any, conn: Conn, event: protocol.Event) -> None:
     elif kind == protocol.METRICS:  # a batch of what the rank's cell logged: the chart draws it (metrics_view.py)
         run.record.metrics += [(rank, *row) for row in fields["rows"]]
         run.on_update(run.record)
+    elif kind == protocol.CHECKPOINT:  # rank 0's, once complete: %xla_runs shows the run's last
+        run.record.checkpoint = {key: fields.get(key) for key in ("step", "path", "time", "size")}
     elif kind in (protocol.XLA, protocol.PROFILE):  # what a rank process tells of the cell, with its reply
         run.record.take(kind, fields["account" if kind == protocol.XLA else "profile"])
         if kind == protocol.PROFILE:  # (after its account) a listener may take it at once: profile_lanes.Reader

@@ -63,6 +63,8 @@ class RunRecord:
     # What its cells logged (log(): launcher/metrics.py), in the order it came: (rank, step, name, value, time).
     # %xla_metrics and the chart (metrics_view.py) read it; a run's log on disk would keep it with its output.
     metrics: list[tuple[int, int, str, float, float]] = field(default_factory=list)
+    # Its last complete checkpoint (checkpoints(DIR) in its cell: launcher/checkpoints.py): step, path, time, size.
+    checkpoint: dict[str, Any] | None = None
 
     def take(self, kind: str, fact: dict[str, Any]) -> None:
         """A rank process's fact about the cell, for every rank it covers: its account of what XLA did

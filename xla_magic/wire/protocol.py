@@ -85,6 +85,9 @@ PROFILE = "profile"
 # rank -> kernel, while a cell runs: values its cell logged (launcher/metrics.py), a batch of ``rows``, each
 # (step, name, value, time), never one event per log call
 METRICS = "metrics"
+# rank 0 -> kernel, once a checkpoint of its cell's is complete (launcher/checkpoints.py): its ``step``, ``path``,
+# ``time``, ``size``; %xla_runs shows a run's last
+CHECKPOINT = "checkpoint"
 # made up by a reader, never sent
 BROKEN = "broken"
 CLOSED = "closed"
