@@ -199,6 +199,7 @@ class RankServer:
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None  # a TPU's runtime, the simulation
         self.memory = rank_module.MemoryReporter(channel, self.device) if self.reports_memory else None
+        self._done_memory: dict[str, int] | None = None  # the cell's last memory sample, for its DONE
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         displays.set_display(self.display)
@@ -323,8 +324,9 @@ class RankServer:
             self.children.end_new()
         self.results.release()  # before the reply: the kernel takes back what was lent once it has it
         self.flush_output()
+        memory, self._done_memory = self._done_memory, None
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
-                               processes=self.children.kept())
+                               processes=self.children.kept(), memory=memory)
         xla, self._xla_frame = self._xla_frame, b""
         profile, self._profile_frame = self._profile_frame, b""
         frames = (reply or b"") + xla + profile + done
@@ -399,7 +401,7 @@ class RankServer:
             self.phase = "idle"
             memory.mark(self._filename)  # the tensors the cell made since its last sync: made in this cell
             if reporter is not None:
-                reporter.stop()
+                self._done_memory = reporter.stop()
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
         return self._result_frame(fields, value)
