@@ -15,6 +15,8 @@ engines, is measured in the same run through the same shell (``%%px --block``).
   are counted as the kernel received them (the run's record) and their order
   is checked in the logs; ipyparallel's are counted and checked in the cell's
   captured output. Either side failing the check fails the benchmark.
+- The simulated device memory's cost: the round trip with the count on (the
+  default) against ``XLA_MAGIC_SIM_HBM=off``, pools alternating in one run.
 - Start: ``%xla_pool start --devices 8`` with the launcher already warm (as
   after ``%load_ext``, which starts it), against starting an 8-engine
   ipyparallel cluster until every engine is registered.
@@ -106,6 +108,34 @@ def measure_ours(shell: Any) -> dict[str, float]:
     return {"start": start, "round_trip": round_trip, "lines_per_second": statistics.median(rates)}
 
 
+MEMORY_POOLS = 2  # pools per side for the memory count's cost, alternating: on, off, off, on
+
+
+def measure_memory_count(shell: Any) -> dict[str, float]:
+    """The round trip with the simulated device memory counted (the default) and off (``XLA_MAGIC_SIM_HBM=off``),
+    pools alternating in this one kernel, each first settled by one discarded series: each side's median."""
+    import os
+
+    sides: dict[str, list[float]] = {"on": [], "off": []}
+    for number in range(MEMORY_POOLS):
+        for side in ("on", "off") if number % 2 == 0 else ("off", "on"):
+            if side == "off":
+                os.environ["XLA_MAGIC_SIM_HBM"] = "off"
+            quietly(lambda: shell.run_line_magic("xla_pool", f"start --devices {RANKS} --backend cpu"))()
+            try:
+                memory = shell.run_cell_magic("xla_spawn", "", "from xla_magic.launcher import rank as r\n"
+                                                                "r.device_memory(device) is not None")
+                if memory[0] != (side == "on"):
+                    raise AssertionError(f"the ranks report memory: {memory}, expected the count {side}")
+                cell = quietly(lambda: shell.run_cell_magic("xla_spawn", "", TRIVIAL))
+                median_round_trip(cell)  # a freshly started pool settles first
+                sides[side].append(median_round_trip(cell))
+            finally:
+                quietly(lambda: shell.run_line_magic("xla_pool", "stop"))()
+                os.environ.pop("XLA_MAGIC_SIM_HBM", None)
+    return {side: statistics.median(times) for side, times in sides.items()}
+
+
 # --- ipyparallel ----------------------------------------------------------------------
 
 
@@ -156,6 +186,7 @@ def main() -> list[Row]:
     shell, loaded_here = start_shell()
     try:
         ours = measure_ours(shell)
+        memory = measure_memory_count(shell)
     finally:
         if loaded_here:
             shell.run_line_magic("unload_ext", "xla_magic")
@@ -167,6 +198,15 @@ def main() -> list[Row]:
             base["round_trip"] * 1000,
             "ms",
             f"vs %%px --block on {RANKS} ipyparallel engines; target <= 5 ms",
+        ),
+        (
+            f"warm {RANKS}-rank pool: trivial cell round trip, simulated device memory counted (median of "
+            f"{ROUND_TRIPS}, {MEMORY_POOLS} pools each way)",
+            memory["on"] * 1000,
+            memory["off"] * 1000,
+            "ms",
+            "vs the same with XLA_MAGIC_SIM_HBM=off (no count, no sampler), pools alternating in one kernel; "
+            "target: no slower",
         ),
         (
             f"streaming: {RANKS} ranks x {LINES:,} printed lines (median of {STREAM_RUNS})",

@@ -183,6 +183,32 @@ def test_a_cell_near_its_limit_says_each_rank_s_peak_and_the_panel_shows_it(ip, 
     assert not [line for line in quiet.stdout.splitlines() if line.startswith("XLA:")]
 
 
+def test_the_panel_s_memory_moves_while_the_cell_runs_and_its_end_gives_each_rank_s_peak(ip, small_pool, tmp_path):
+    """The ranks' samples reach the record (what the panel draws) while the cell still runs: the cell waits until
+    the kernel has seen both ranks' memory, and only the kernel's listener can let it go on. Its last sample (the
+    cell's peak) rides on each rank's DONE, and the line under the cell says it."""
+    from helpers import Listening
+
+    seen = tmp_path / "seen"
+    used = 232 * 1024 * 4  # f32[225, 1024] in TPU tiles
+
+    def listener(record) -> None:
+        states = list(record.ranks.values())
+        if len(states) == 2 and all(state.state == "running" and (state.memory or {}).get("bytes_used") == used
+                                    for state in states):
+            seen.touch()
+
+    cell = ("import os, time, torch, torch_xla\nx = torch.ones(225, 1024, device=device)\ntorch_xla.sync()\n"
+            f"while not os.path.exists({str(seen)!r}):\n    time.sleep(0.01)\n")
+    with Listening(ip._xla_magic_session, listener), capture_output() as shown:
+        ip.run_cell_magic("xla_spawn", "--timeout 120", cell)
+    assert seen.exists()
+    said = [line for line in shown.stdout.splitlines() if line.startswith("XLA:")]
+    assert said == ["XLA: peak memory 928.0 KiB (90% of rank 0's 1.0 MiB: %xla_memory names what holds it)"]
+    for state in ip._xla_magic_session.history[-1].ranks.values():
+        assert state.memory["cell_peak_bytes"] == used, state.memory
+
+
 def test_xla_memory_answers_while_a_cell_runs_naming_the_cell_s_locals(ip, pool, tmp_path):
     """The ranks answer from their sampler thread while the cell waits; the running request hands the answers over."""
     from helpers import on_every_rank_running

@@ -359,10 +359,73 @@ def test_a_changed_large_value_reaches_the_next_cell_and_a_dropped_one_is_let_go
 
     spawn("", "del weights")  # the rank's own view of it
     del ip.user_ns["weights"], weights  # the kernel's value dies: its segment goes too
+    spawn("", "table is None")  # the cell that tells the ranks: each lets the segment go after its reply
     held = spawn("", OPEN_SEGMENTS + "(open_segments(), float(table.sum()))").value
     for segments, total in held:
         assert segments and all(segment == after[1] + " (deleted)" for segment in segments)  # the table's only
         assert total == 2.0 * 512 * 512
+
+
+def test_a_rank_never_reads_what_the_kernel_changes_after_shipping_it(ip, pool, spawn, tmp_path):
+    """The kernel writes its value in place while the cell that shipped it runs, and again between cells: the
+    running cell reads the value as it was shipped, a view a rank kept from an earlier cell keeps what it had,
+    and only the next cell's own copy has the kernel's change."""
+    from helpers import on_every_rank_running
+
+    weights = torch.zeros(BIG)
+    ip.user_ns["weights"] = weights
+    changed = tmp_path / "changed"
+
+    def change() -> None:
+        weights.fill_(5.0)  # in place: the same kernel object, new bytes
+        changed.touch()
+
+    cell = (f"import os, time\nkept = weights\nwhile not os.path.exists({str(changed)!r}):\n    time.sleep(0.01)\n"
+            "float(weights.sum())")
+    with on_every_rank_running(ip._xla_magic_session, change):
+        assert spawn("", cell).value == [0.0, 0.0]
+    weights.numpy()[:] = 7.0  # through numpy: torch's version counter does not see it
+    assert spawn("", "(float(kept.sum()), float(weights.sum()))").value == [(0.0, 7.0 * BIG)] * 2
+
+
+def _holding(prefix: str) -> list[str]:
+    """Every process on this machine that maps or holds open a segment under ``prefix``: ``pid: what``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                found += [f"{pid}: {line.split()[-1]}" for line in maps if prefix in line]
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if prefix in link:
+                    found.append(f"{pid}: {link}")
+        except OSError:
+            continue  # ended meanwhile, or not ours to read
+    return found
+
+
+def test_no_shipped_segment_outlives_its_pool(ip):
+    """A pool's shipped segments, held by the kernel and by every rank (a view kept in a rank's namespace too),
+    are gone from every process once the pool restarts and once it stops, and nothing is left in /dev/shm."""
+    ip.user_ns["weights"] = torch.ones(BIG)
+    pool_magic(ip, "start --devices 2 --backend cpu")
+    prefix = restarted = ip._xla_magic_session.pool.ranks.shipping.held.segments.prefix
+    try:
+        with capture_output():
+            ip.run_cell_magic("xla_spawn", "", "kept = weights\nfloat(weights.sum())")
+        pids = {str(pid) for pid in ip._xla_magic_session.pool.ranks.pids.values()}
+        holders = {entry.split(":")[0] for entry in _holding(prefix)}
+        assert pids | {str(os.getpid())} <= holders, _holding(prefix)  # while the pool runs: the kernel and each rank
+        pool_magic(ip, "restart")
+        assert _holding(prefix) == []
+        restarted = ip._xla_magic_session.pool.ranks.shipping.held.segments.prefix
+        with capture_output():
+            ip.run_cell_magic("xla_spawn", "", "kept = weights\nfloat(weights.sum())")
+        assert _holding(restarted)
+    finally:
+        pool_magic(ip, "stop")
+        del ip.user_ns["weights"]
+    assert _holding(prefix) == [] and _holding(restarted) == [] and segments_left() == []
 
 
 def test_interrupt_while_a_large_value_is_shipped_leaves_nothing_and_keeps_it(ip, pool, spawn, marks):

@@ -161,10 +161,12 @@ class MemoryReporter:
     """Sends the device's memory in STATUS events while a cell runs.
 
     Made once per rank, where the runtime (or the simulation) reports memory
-    at all: one thread for the rank's life samples only between ``start``
-    and ``stop``, so a cell pays no thread of its own. ``stop`` sends the
-    last sample (the cell's peak) before the rank reports DONE; no sample
-    goes after it.
+    at all: one thread for the rank's life takes a sample every INTERVAL
+    while a cell runs, so a cell pays no thread of its own. Nothing wakes it
+    at a cell's start or end: in an 8-rank pool on 2 cores those two wake-ups
+    a rank made a trivial cell measurably slower. ``stop`` returns the last
+    sample (the cell's peak), which the rank's DONE carries; no sample goes
+    after it.
     """
 
     INTERVAL = 2.0
@@ -174,34 +176,36 @@ class MemoryReporter:
         self.device = device
         self._lock = threading.Lock()
         self._running = threading.Event()  # set while a cell runs
-        self._cell_over = threading.Event()  # set when it ends: the sampler goes back to waiting
         self._thread: threading.Thread | None = None
         self._peak_before = self._cell_peak = 0
 
     def start(self) -> None:
-        self._peak_before = (device_memory(self.device) or {}).get("peak_bytes_used", 0)
-        self._cell_peak = 0
-        self._cell_over.clear()
-        self._running.set()
+        peak_before = (device_memory(self.device) or {}).get("peak_bytes_used", 0)
+        with self._lock:
+            self._peak_before, self._cell_peak = peak_before, 0
+            self._running.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._sample, name="xla_magic-memory", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self) -> dict[str, int] | None:
+        """The cell's last sample (its peak), for the rank's DONE to carry: one message fewer a cell."""
         with self._lock:
             self._running.clear()
-            self._cell_over.set()
-        self._send(last=True)
+        return self._send(last=True)
 
     def _sample(self) -> None:
-        while self._running.wait():
-            while not self._cell_over.wait(self.INTERVAL):
+        ticks = threading.Event()  # never set: a wait of INTERVAL
+        while True:
+            ticks.wait(self.INTERVAL)
+            if self._running.is_set():
                 self._send()
 
-    def _send(self, last: bool = False) -> None:
+    def _send(self, last: bool = False) -> dict[str, int] | None:
+        """A sample, sent as STATUS while the cell runs; ``last``: returned instead (the cell is over)."""
         memory = device_memory(self.device)
         if memory is None:
-            return
+            return None
         with self._lock:
             # The cell's own peak: the runtime's cannot be reset, so the samples' highest, or the runtime's
             # peak where it rose during the cell (then it was reached in this cell).
@@ -209,12 +213,15 @@ class MemoryReporter:
             if memory.get("peak_bytes_used", 0) > self._peak_before:
                 self._cell_peak = max(self._cell_peak, memory["peak_bytes_used"])
             memory["cell_peak_bytes"] = self._cell_peak
-            if not last and not self._running.is_set():
-                return  # the cell ended while this sample was read: its last one is the rank's own
+            if last:
+                return memory
+            if not self._running.is_set():
+                return None  # the cell ended while this sample was read: its last one is the rank's own
             try:
                 self.channel.send(protocol.STATUS, state="running", memory=memory)
             except OSError:  # the kernel stopped listening; the run is over
                 self._running.clear()
+        return None
 
 
 def compile_cell(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:

@@ -28,9 +28,7 @@ from __future__ import annotations
 import bdb
 import builtins
 import contextlib
-import io
 import os
-import pickle
 import threading
 import time
 import traceback
@@ -39,7 +37,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from xla_magic.wire import protocol, transport
 from xla_magic.launcher import (capture, checkpoints, compile_cache, debugger, displays, interrupt, lifetime, memory,
-                                metrics, place, profiling, rank as rank_module, shell, stacks, xla_account, xla_analysis)
+                                metrics, place, profiling, rank as rank_module, shell, shipped, stacks, xla_account,
+                                xla_analysis)
 
 _COMPILED_CELLS_KEPT = 64
 DISPLAY_WAIT = 10.0  # how long a cell waits for the kernel to show what it displays
@@ -65,82 +64,6 @@ class Serving(NamedTuple):
     def one_shot(self) -> bool:
         """Ends what each request started (a pool keeps it: see lifetime.py), and leaves after its one request."""
         return self.policy == protocol.ONE_SHOT
-
-
-# --- the rank's side of shipping ----------------------------------------------
-
-
-class ShippedValues:
-    """The kernel values this rank holds, so unchanged ones need not travel again.
-
-    Plain values (numbers, strings, modules) are kept as objects: they cannot
-    have been changed in place. Other values are kept as their pickle and
-    loaded afresh for every cell, as if they had been shipped again: a cell
-    that mutates one does not change what the next cell sees. Large tensors
-    and arrays in that pickle are segments the kernel holds for these ranks
-    (``held``): the rank opens each one once, while its name exists, and
-    keeps the descriptor, so every load maps a fresh copy-on-write view of
-    it long after the kernel unlinked the name.
-    """
-
-    def __init__(self) -> None:
-        self.plain: dict[str, Any] = {}
-        self.objects_blob: bytes | None = None
-        self.segments: dict[str, int] = {}  # held segment -> its open descriptor
-        self.unopened: dict[str, str] = {}  # held segment -> why it could not be opened
-
-    def values_for(self, fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(plain values, freshly loaded objects) that this cell reads."""
-        self.hold(fields.get("held", ()))
-        if fields.get("plain"):
-            self.plain.update(transport.load_namespace(fields["plain"])[0])
-        plain = {name: self.plain[name] for name in fields.get("plain_names", ())}
-        objects: dict[str, Any] = {}
-        if fields.get("object_names"):
-            if fields.get("objects") is not None:
-                self.objects_blob = fields["objects"]
-            if self.objects_blob is not None:
-                objects = _HeldLoader(self.objects_blob, self).load()
-        return plain, objects
-
-    def hold(self, names: tuple[str, ...]) -> None:
-        """Keep exactly the segments ``names``: open the new ones, close the dropped ones."""
-        kept = set(names)
-        for name in [name for name in self.segments if name not in kept]:
-            os.close(self.segments.pop(name))
-        self.unopened = {name: why for name, why in self.unopened.items() if name in kept}
-        for name in names:
-            if name not in self.segments and name not in self.unopened:
-                try:
-                    self.segments[name] = transport.open_segment(name)
-                except (OSError, ValueError) as exc:
-                    self.unopened[name] = str(exc)
-
-    def view(self, kind: str, name: str, args: tuple) -> Any:
-        """A fresh copy-on-write view of a held segment, as the tensor or array it holds."""
-        if name not in self.segments:
-            why = self.unopened.get(name, "the kernel did not say to keep it")
-            raise RuntimeError(
-                f"a large value shipped to this rank is not in its shared memory ({why}); "
-                f"%xla_pool restart starts ranks that receive every value again"
-            )
-        return transport.view_on(transport.map_private_fd(self.segments[name]), kind, args)
-
-    def close(self) -> None:
-        self.hold(())
-
-
-class _HeldLoader(pickle.Unpickler):
-    """Loads the shipped objects, each held segment as a fresh view (see transport.held_segment)."""
-
-    def __init__(self, data: bytes, shipped: ShippedValues) -> None:
-        super().__init__(io.BytesIO(data))
-        self._view = shipped.view
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == transport.__name__ and name == transport.held_segment.__name__:
-            return self._view
-        return super().find_class(module, name)
 
 
 # --- compiled cells -------------------------------------------------------------
@@ -193,11 +116,12 @@ class RankServer:
         self.closing = closing  # a one-shot rank's rendezvous after its cell, else None
         self.serving = serving
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, **rank_names}
-        self.shipped = ShippedValues()
+        self.shipped = shipped.ShippedValues()
         self.cells = CompiledCells()
         self.device = rank_names.get("device")
         self.reports_memory = rank_module.device_memory(self.device) is not None  # a TPU's runtime, the simulation
         self.memory = rank_module.MemoryReporter(channel, self.device) if self.reports_memory else None
+        self._done_memory: dict[str, int] | None = None  # the cell's last memory sample, for its DONE
         self.children = lifetime.ChildWatch()
         self.children.note_existing()  # what set-up started is not the first request's to end
         displays.set_display(self.display)
@@ -322,8 +246,9 @@ class RankServer:
             self.children.end_new()
         self.results.release()  # before the reply: the kernel takes back what was lent once it has it
         self.flush_output()
+        memory, self._done_memory = self._done_memory, None
         done = protocol.encode(protocol.DONE, seq=seq, seconds=time.monotonic() - started,
-                               processes=self.children.kept())
+                               processes=self.children.kept(), memory=memory)
         xla, self._xla_frame = self._xla_frame, b""
         profile, self._profile_frame = self._profile_frame, b""
         frames = (reply or b"") + xla + profile + done
@@ -336,6 +261,7 @@ class RankServer:
         after, self._after_reply = self._after_reply, []
         for job in after:  # (profiling.digest_later: never raises)
             job()
+        self.shipped.let_go()
         xla_account.settle()  # the next cell's start read, off its path
 
     def display(self, what: str, data: Any) -> None:
@@ -399,7 +325,7 @@ class RankServer:
             self.phase = "idle"
             memory.mark(self._filename)  # the tensors the cell made since its last sync: made in this cell
             if reporter is not None:
-                reporter.stop()
+                self._done_memory = reporter.stop()
         if not fields["has_result"]:
             return protocol.encode(protocol.RESULT, seq=seq, value=None, empty=True)
         return self._result_frame(fields, value)

@@ -62,6 +62,8 @@ def handle(run: Any, conn: Conn, event: protocol.Event) -> None:
     elif kind == protocol.DONE:
         run.done.add(rank)
         run.record.ranks[rank].processes = list(fields.get("processes", ()))
+        if fields.get("memory") is not None:  # the cell's last sample (rank.MemoryReporter)
+            run.record.ranks[rank].memory = fields["memory"]
         if rank not in run.failures:
             run.rank_state(rank, "done")
 

@@ -13,7 +13,7 @@ the write stays private to that rank. Smaller values stay in the pickle.
 Ranks -> kernel: large results are written the same way; the kernel maps the
 file, unlinks it at once, and so owns the memory outright.
 
-Ranks (shipping.py, launcher/serve.py) keep what a cell read for the
+Ranks (shipping.py, launcher/shipped.py) keep what a cell read for the
 next cells: the pickle names each segment through :func:`held_segment`, every
 rank keeps a descriptor of it, and each cell maps a fresh copy-on-write view.
 
@@ -369,7 +369,7 @@ def view_on(buffer: mmap.mmap, kind: str, args: tuple) -> Any:
 def held_segment(kind: str, name: str, args: tuple) -> Any:
     """In a pickle for a pool's ranks: a large value the ranks keep open in shared memory.
 
-    Only a rank's loader resolves it (xla_magic/launcher/serve.py), to a
+    Only a rank's loader resolves it (xla_magic/launcher/shipped.py), to a
     fresh copy-on-write view for every cell; anywhere else it is an error.
     """
     raise RuntimeError(f"segment {name!r} is held by the ranks; only their loader can open it")
