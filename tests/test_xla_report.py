@@ -352,9 +352,10 @@ def test_ranks_whose_graphs_differ_in_shape_are_named_and_a_constant_stays_quiet
     [summary] = xla_lines(run.stdout)
     assert (f"ranks differ: rank 1 compiled 1 graph with other shapes (x: {theirs[1]} against {theirs[0]}); "
             f"rank 2 compiled 1 graph with other shapes (x: {theirs[2]} against {theirs[0]}), rank 0 1 graph") in summary
-    # and the peaks, which differ: x pads to 8 rows on ranks 0 and 1, to 16 on rank 2
-    assert summary.endswith("; peak memory 4.0 KiB–8.0 KiB (most on rank 2)"), summary
+    # and the peaks, which differ: as XLA:TPU tiles them, x's 4 rows take a (4, 128) tile on rank 0 and its 12 rows
+    # two (8, 128) tiles on rank 2 (f32[12,8]{1,0:T(8,128)}: 16 x 128 x 4 B), beside the sum's one 512 B scalar tile
+    assert summary.endswith("; peak memory 2.5 KiB–8.5 KiB (most on rank 2)"), summary
     run = spawn("--devices 3 --backend cpu", RANK_CONSTANT)
     assert len({account(ip, r)["compilations"][-1]["hash"] for r in range(3)}) == 3  # three graphs, ...
     # ... told apart only by a constant: harmless, so the line says only the peak (the same tensors on every rank)
-    assert xla_lines(run.stdout) == ["XLA: peak memory 4.0 KiB"], run.stdout
+    assert xla_lines(run.stdout) == ["XLA: peak memory 2.5 KiB"], run.stdout

@@ -157,7 +157,7 @@ class Storage:
         """The checkpoints in DIR, oldest step first (their manifests read, their files not checked)."""
         found = []
         for name in self.listdir():
-            if (item := layout.entry(name, None)) is not None:
+            if layout.entry(name, None) is not None:  # a checkpoint's name, complete or not
                 found.append(layout.entry(name, self.read_json(f"{name}/{layout.MANIFEST}")))
         return sorted(found, key=lambda item: (item.step, item.complete))  # type: ignore[union-attr]
 
