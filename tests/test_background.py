@@ -142,7 +142,7 @@ def test_a_background_cell_frees_the_notebook_and_its_lines_stay_under_it(nb, tm
     assert steps(logged, 0) == [0, 1, 2, 3] and steps(logged, 1) == [0, 1, 2, 3]
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     _, listing = nb.run("%xla_runs")
-    assert re.search(rf"^{run_id}\s+import os, time\s+done\s+[\d.]+ s\s+pool of 2 ranks$", listing, re.M), listing
+    assert re.search(rf"^{run_id}\s+import os, time\s+done\s+[\d.]+ s\s+-\s+pool of 2 ranks$", listing, re.M), listing
     _, text = nb.run("print(repr(run))")
     assert "done" in text and "last: [rank" in text and "step 3" in text
 
